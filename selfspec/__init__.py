@@ -1,0 +1,21 @@
+"""selfspec: exact self-speculative decoding for Hugging Face causal language models."""
+
+from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
+from .generation import UnsupportedGenerationArgument
+from .heads import ExitHead, ExitHeads, HeadsMismatchError, load_heads
+from .speculative import SelfSpeculative
+from .stats import GenerationStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ExitHead",
+    "ExitHeads",
+    "GenerationStats",
+    "HeadsMismatchError",
+    "SelfSpeculative",
+    "UnsupportedGenerationArgument",
+    "UnsupportedModelError",
+    "load_heads",
+]

@@ -1,0 +1,232 @@
+"""Every use of transformers' model internals lives here.
+
+The rest of selfspec sees a `ModelAdapter`: run the whole model, run only the first k decoder layers
+(the draft), run only layers k..L-1 on hidden states the draft already computed (the verify pass that
+reuses the lower-layer KV entries), apply the model's own final norm and LM head, and crop the cache.
+No modeling file is forked: the stock layers are driven through the stock forward, with a hook that
+stops the stack after layer k-1 and pass-through stand-ins that skip layers 0..k-1.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+# model_type -> (decoder stack attribute on the causal LM, layer list attribute, final norm attribute)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "llama": ("model", "layers", "norm"),
+    "qwen2": ("model", "layers", "norm"),
+    "mistral": ("model", "layers", "norm"),
+    "phi3": ("model", "layers", "norm"),
+    "gemma": ("model", "layers", "norm"),
+    "gemma2": ("model", "layers", "norm"),
+    "gpt2": ("transformer", "h", "ln_f"),
+    "gpt_neox": ("gpt_neox", "layers", "final_layer_norm"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a decoder-only causal LM of a family selfspec drives."""
+
+
+class _StopAfterLayer(Exception):
+    """Raised by a forward hook to end the decoder stack early, carrying the hidden state."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft `PeftModel` (its LoRA layers stay active), or the model itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and type(model).__module__.startswith("peft"):
+        return get_base_model()
+    return model
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What heads record about the target they were trained on."""
+
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    name_or_path: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ModelAdapter:
+    """Drives the decoder stack of a supported Hugging Face causal LM, layer range by layer range."""
+
+    def __init__(self, model: nn.Module):
+        self.model = unwrap_model(model)
+        config = getattr(self.model, "config", None)
+        if config is None:
+            raise UnsupportedModelError(f"{type(model).__name__} has no `config`: pass a transformers causal LM.")
+        model_type = getattr(config, "model_type", None)
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ({model_type}) is an encoder-decoder model; selfspec needs a decoder-only causal LM."
+            )
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"Architecture {model_type!r} ({type(self.model).__name__}) is not supported; supported model types: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
+            )
+        if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
+            )
+        stack_name, layers_name, norm_name = SUPPORTED_ARCHITECTURES[model_type]
+        stack = getattr(self.model, stack_name, None)
+        if stack is None:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} has no decoder stack `.{stack_name}`: load it with AutoModelForCausalLM."
+            )
+        self.config = config
+        self.model_type = model_type
+        self.layers: nn.ModuleList = getattr(stack, layers_name)
+        self.final_norm: nn.Module = getattr(stack, norm_name)
+        self.lm_head: nn.Module = self.model.get_output_embeddings()
+        self.num_layers = len(self.layers)
+        self.hidden_size = config.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        parameters = inspect.signature(self.model.forward).parameters
+        # transformers 5.24 renamed `past_key_values` to `cache`; earlier 5.x silently swallows `cache=`.
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self._layer_returns_tuple = False
+
+    # ----------------------------------------------------------------------------------------- facts
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", None)
+
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(
+            model_type=self.model_type,
+            num_hidden_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            name_or_path=str(getattr(self.config, "_name_or_path", "") or ""),
+        )
+
+    # ----------------------------------------------------------------------------------------- cache
+    def new_cache(self) -> DynamicCache:
+        """A dynamic cache whose sliding-window layers keep their past until cropped (so rollback works)."""
+        cache = DynamicCache(config=self.config)
+        cache.activate_past_recording()
+        return cache
+
+    @staticmethod
+    def crop(cache: DynamicCache, num_tokens: int) -> None:
+        """Remove the last `num_tokens` positions from every layer (0 trims sliding layers to their window)."""
+        for layer in cache.layers:
+            layer.crop(-num_tokens)
+
+    def _cache_view(self, cache: DynamicCache, active: range) -> DynamicCache:
+        """The cache as the layers in `active` see it.
+
+        Mask sizes and lengths are read from the first layer of each attention type. While the draft has
+        written more positions into the lower layers than the upper ones hold, the inactive slots of the
+        view alias an active layer of the same type, so every look-up sees the lengths of the layers
+        that actually run. The active slots are the real layer objects: updates land in the real cache.
+        """
+        layers = list(cache.layers)
+        for index in range(len(layers)):
+            if index in active:
+                continue
+            same_type = [j for j in active if type(layers[j]) is type(layers[index])]
+            layers[index] = layers[same_type[0] if same_type else active[0]]
+        view = copy.copy(cache)
+        view.layers = layers
+        return view
+
+    # ---------------------------------------------------------------------------------------- passes
+    def _forward(self, input_ids, position_ids, cache, attention_mask, logits_to_keep: int = 0):
+        return self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self._cache_keyword: cache},
+        )
+
+    def forward(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0) -> torch.Tensor:
+        """All layers: logits `[batch, positions, vocab]` (the last `logits_to_keep` positions if > 0)."""
+        return self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
+
+    def run_lower(self, input_ids, position_ids, cache, exit_layer: int, attention_mask=None) -> torch.Tensor:
+        """Layers 0..exit_layer-1 only: the hidden state after layer `exit_layer` (before any norm)."""
+
+        def stop(module, args, output):
+            self._layer_returns_tuple = isinstance(output, tuple)
+            raise _StopAfterLayer(output[0] if isinstance(output, tuple) else output)
+
+        handle = self.layers[exit_layer - 1].register_forward_hook(stop)
+        view = self._cache_view(cache, range(exit_layer))
+        try:
+            self._forward(input_ids, position_ids, view, attention_mask, logits_to_keep=1)
+        except _StopAfterLayer as stopped:
+            return stopped.hidden
+        finally:
+            handle.remove()
+        raise RuntimeError(f"layer {exit_layer - 1} of {self.model_type} never ran; cannot exit early there")
+
+    def run_upper(self, hidden, input_ids, position_ids, cache, exit_layer: int, attention_mask=None) -> torch.Tensor:
+        """Layers exit_layer..L-1 on `hidden` (the states after layer `exit_layer`): logits for every position."""
+        view = self._cache_view(cache, range(exit_layer, self.num_layers))
+        with self._skip_lower_layers(exit_layer, hidden):
+            return self._forward(input_ids, position_ids, view, attention_mask).logits
+
+    @contextmanager
+    def _skip_lower_layers(self, exit_layer: int, hidden: torch.Tensor):
+        """Layers 0..exit_layer-1 become stand-ins: the first returns `hidden`, the others pass it on."""
+        wrap = (lambda h: (h,)) if self._layer_returns_tuple else (lambda h: h)
+
+        def first(*args, **kwargs):
+            return wrap(hidden)
+
+        def passthrough(hidden_states, *args, **kwargs):
+            return wrap(hidden_states[0] if isinstance(hidden_states, tuple) else hidden_states)
+
+        saved = []
+        try:
+            for index in range(exit_layer):
+                layer = self.layers[index]
+                # keep any forward an accelerate dispatch hook installed on the instance, to restore it
+                saved.append((layer, layer.__dict__.get("forward")))
+                layer.forward = first if index == 0 else passthrough
+            yield
+        finally:
+            for layer, previous in saved:
+                if previous is None:
+                    del layer.forward
+                else:
+                    layer.forward = previous
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own final norm and LM head (with its logit soft-capping) on `hidden`."""
+        logits = self.lm_head(self.final_norm(hidden))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -1,0 +1,110 @@
+"""Drafters: where the proposals x_1..x_G and their distribution q come from, and the verify pass that
+matches them. A drafter owns both halves because the early-exit verify pass reuses what its draft wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LogitsProcessorList
+
+from .adapter import ModelAdapter
+from .generation import process_scores
+
+
+@dataclass
+class DecodeState:
+    """The sequence being generated. `sequences[:, -1]` is the pending token: committed, not yet in the
+    cache. At the start of every iteration each cache layer holds the positions of `sequences[:, :-1]`."""
+
+    sequences: torch.Tensor  # [batch, T] long
+    cache: DynamicCache
+    pad_offset: torch.Tensor  # [batch] long: left-padding tokens per row (positions skip them)
+    prompt_mask: torch.Tensor | None  # [batch, prompt_len], only when the prompt is padded
+
+    @property
+    def length(self) -> int:
+        return self.sequences.shape[1]
+
+    def position_ids(self, start: int, count: int) -> torch.Tensor:
+        """Position ids [batch, count] of sequence indices start..start+count-1."""
+        index = torch.arange(start, start + count, device=self.sequences.device)
+        return index[None, :] - self.pad_offset[:, None]
+
+    def attention_mask(self, end: int) -> torch.Tensor | None:
+        """2D mask over sequence indices 0..end-1, or None when nothing is padded."""
+        if self.prompt_mask is None:
+            return None
+        generated = end - self.prompt_mask.shape[1]
+        return torch.cat([self.prompt_mask, self.prompt_mask.new_ones(self.prompt_mask.shape[0], generated)], dim=1)
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [batch, G] long
+    scores: torch.Tensor  # [batch, G, V] float32 processed draft scores (q = softmax(scores))
+
+
+def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """A token per row from processed scores [batch, V]: sampled from softmax, or the argmax."""
+    if do_sample:
+        return torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
+    return scores.argmax(dim=-1)
+
+
+class EarlyExitDrafter:
+    """q from layers 0..k-1 and an exit head (the model's own final norm and LM head, optionally after a
+    trained block). The draft writes the lower-layer KV entries of its positions into the one shared
+    cache; the verify pass runs the lower layers only for the last draft token and the upper layers for
+    all G+1 positions."""
+
+    def __init__(self, adapter: ModelAdapter, exit_layer: int, head: nn.Module | None = None):
+        self.adapter = adapter
+        self.exit_layer = exit_layer
+        self.head = head
+        self._hidden: list[torch.Tensor] = []
+
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            hidden = self.head(hidden)
+        return self.adapter.head_logits(hidden)
+
+    def _lower(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Layers 0..k-1 over `tokens` [batch, n] at sequence indices start..start+n-1."""
+        count = tokens.shape[1]
+        return self.adapter.run_lower(
+            tokens, state.position_ids(start, count), state.cache, self.exit_layer, state.attention_mask(start + count)
+        )
+
+    def draft(self, state: DecodeState, gamma: int, processors: LogitsProcessorList, do_sample: bool) -> Draft:
+        start = state.length - 1  # index of the pending token
+        token = state.sequences[:, -1:]
+        self._hidden, drafted, scores = [], [], []
+        for i in range(gamma):
+            hidden = self._lower(state, token, start + i)  # [batch, 1, H]
+            self._hidden.append(hidden)
+            prefix = torch.cat([state.sequences, *drafted], dim=1)
+            score = process_scores(processors, prefix, prefix[:, :0], self.exit_logits(hidden))[:, 0]  # [batch, V]
+            token = pick(score, do_sample)[:, None]
+            drafted.append(token)
+            scores.append(score)
+        return Draft(torch.cat(drafted, dim=1), torch.stack(scores, dim=1))
+
+    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """Target logits [batch, G+1, V] for the pending token and the G drafts."""
+        start, gamma = state.length - 1, draft.tokens.shape[1]
+        last = self._lower(state, draft.tokens[:, -1:], start + gamma)
+        hidden = torch.cat([*self._hidden, last], dim=1)  # [batch, G+1, H]
+        tokens = torch.cat([state.sequences[:, -1:], draft.tokens], dim=1)
+        logits = self.adapter.run_upper(
+            hidden,
+            tokens,
+            state.position_ids(start, gamma + 1),
+            state.cache,
+            self.exit_layer,
+            state.attention_mask(start + gamma + 1),
+        )
+        self._hidden = []
+        return logits

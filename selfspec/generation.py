@@ -1,0 +1,161 @@
+"""`model.generate`'s arguments, as selfspec takes them: merged, checked, and turned into processors.
+
+The generation config is merged exactly as `model.generate` merges it (user arguments over the model's
+generation config over transformers' global defaults), and the logits processors are the ones
+`model.generate` would build, so p and q are processed exactly like the target's own sampling.
+Anything the speculative loop cannot honour raises `UnsupportedGenerationArgument`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+
+
+class UnsupportedGenerationArgument(ValueError):
+    """A `generate` argument that selfspec does not support (it is never silently ignored)."""
+
+
+# generation-config fields that change what `generate` does and that the speculative loop does not do,
+# with the value that means "off" (after the global defaults are merged).
+_OFF_VALUES: dict[str, tuple] = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "num_return_sequences": (None, 1),
+    "penalty_alpha": (None,),
+    "dola_layers": (None,),
+    "diversity_penalty": (None, 0.0),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+    "guidance_scale": (None, 1, 1.0),
+    "watermarking_config": (None,),
+    "assistant_early_exit": (None,),
+    "prompt_lookup_num_tokens": (None,),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "use_cache": (None, True),
+    "cache_implementation": (None, "dynamic"),
+    "token_healing": (None, False),
+    "prefill_chunk_size": (None,),
+    "use_mtp": (None, False),
+}
+
+# `generate` keyword arguments outside the generation config that selfspec takes
+_CALL_ARGUMENTS = {"attention_mask", "logits_processor", "stopping_criteria", "streamer", "tokenizer", "prefix_allowed_tokens_fn"}
+# `generate` keyword arguments that select machinery selfspec replaces or does not have
+_REJECTED_CALL_ARGUMENTS = {
+    "assistant_model": "selfspec drafts with the model's own layers; an assistant model is not used",
+    "synced_gpus": "synchronised multi-GPU generation is not supported",
+    "negative_prompt_ids": "classifier-free guidance is not supported",
+    "negative_prompt_attention_mask": "classifier-free guidance is not supported",
+    "custom_generate": "custom generation loops are not supported",
+    "past_key_values": "selfspec manages its own cache; pass the prompt instead",
+    "cache": "selfspec manages its own cache; pass the prompt instead",
+    "inputs_embeds": "selfspec needs token ids; pass `input_ids`",
+}
+
+
+@dataclass
+class GenerationSetup:
+    """Everything one `generate` call needs, resolved once before the loop."""
+
+    config: GenerationConfig
+    do_sample: bool
+    max_new_tokens: int
+    eos_token_ids: torch.Tensor | None  # [n] long on the model's device, or None
+    pad_token_id: int | None
+    processors: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList  # user criteria, stop strings and max_time (length and EOS are built in)
+    attention_mask: torch.Tensor | None
+    streamer: object | None
+
+
+def prepare_generation(
+    model, input_ids: torch.Tensor, generation_config: GenerationConfig | None, kwargs: dict
+) -> GenerationSetup:
+    """Merge and check `generate`'s arguments for `model` (the unwrapped transformers model)."""
+    for name, why in _REJECTED_CALL_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedGenerationArgument(f"`{name}` is not supported by selfspec: {why}.")
+        kwargs.pop(name, None)
+    call = {name: kwargs.pop(name) for name in list(kwargs) if name in _CALL_ARGUMENTS}
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    unused = {name: value for name, value in unused.items() if value is not None}
+    if unused:
+        raise UnsupportedGenerationArgument(
+            f"Unsupported `generate` argument(s): {', '.join(sorted(unused))}. selfspec takes the generation-config "
+            f"fields and {', '.join(sorted(_CALL_ARGUMENTS))}."
+        )
+    for field, off in _OFF_VALUES.items():
+        value = getattr(config, field, None)
+        if value not in off:
+            raise UnsupportedGenerationArgument(f"`{field}={value!r}` is not supported by selfspec.")
+
+    prompt_length = input_ids.shape[1]
+    if config.max_new_tokens is not None:
+        max_new_tokens = config.max_new_tokens
+    else:
+        max_length = config.max_length + (prompt_length if has_default_max_length else 0)
+        max_new_tokens = max_length - prompt_length
+    if max_new_tokens < 1:
+        raise ValueError(
+            f"Nothing to generate: the prompt has {prompt_length} tokens and max_length leaves {max_new_tokens} new tokens; "
+            "set max_new_tokens."
+        )
+
+    attention_mask = call.get("attention_mask")
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
+    config.max_length = prompt_length + max_new_tokens  # what processors such as forced_eos read
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_length,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=call.get("prefix_allowed_tokens_fn"),
+        logits_processor=call.get("logits_processor") or LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
+    )
+    criteria = StoppingCriteriaList(call.get("stopping_criteria") or [])
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if call.get("tokenizer") is None:
+            raise ValueError("Stop strings need the tokenizer: pass `tokenizer=` to generate.")
+        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=call["tokenizer"]))
+    eos = config._eos_token_tensor
+    pad = config._pad_token_tensor
+    return GenerationSetup(
+        config=config,
+        do_sample=bool(config.do_sample),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=None if eos is None else eos.reshape(-1).to(input_ids.device),
+        pad_token_id=None if pad is None else int(pad),
+        processors=processors,
+        stopping_criteria=criteria,
+        attention_mask=attention_mask,
+        streamer=call.get("streamer"),
+    )
+
+
+def process_scores(
+    processors: LogitsProcessorList, prefix: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """Processed scores for consecutive positions.
+
+    prefix: [batch, T] committed tokens; tokens: [batch, G] drafted tokens that follow the prefix;
+    logits: [batch, P, V] raw logits for the P <= G+1 positions after prefix + tokens[:, :i], i = 0..P-1.
+    Returns float32 scores [batch, P, V], each position processed with its own input ids.
+    """
+    logits = logits.float()
+    if len(processors) == 0:
+        return logits
+    positions = [processors(torch.cat([prefix, tokens[:, :i]], dim=1), logits[:, i].clone()) for i in range(logits.shape[1])]
+    return torch.stack(positions, dim=1)

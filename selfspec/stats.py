@@ -1,0 +1,96 @@
+"""What one `generate` call did: passes, proposals, acceptances and where the time went."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of the last `SelfSpeculative.generate` call (`spec.stats`)."""
+
+    new_tokens: int = 0  # tokens generated (all rows)
+    target_passes: int = 0  # full-model passes: the prefill, then one verify (or plain step) per iteration
+    iterations: int = 0  # draft-verify iterations after the prefill
+    proposed: int = 0  # drafted tokens put to the verifier
+    accepted: int = 0  # drafted tokens the verifier kept
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i+1
+    proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts proposed at draft position i+1
+    alpha: float = float("nan")  # analytic acceptance rate: mean over tested positions of sum_x min(p, q)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def alpha_hat(self) -> float:
+        """Empirical acceptance rate: accepted / proposed."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens committed per full-model pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.target_passes if self.target_passes else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds else float("nan")
+
+    def to_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out.update(alpha_hat=self.alpha_hat, tokens_per_pass=self.tokens_per_pass, tokens_per_second=self.tokens_per_second)
+        return out
+
+    def record_iteration(self, gamma: int, num_accepted: list[int]) -> None:
+        """Count one verification of `gamma` drafts per row, with each row's accepted count."""
+        self.iterations += 1
+        self.target_passes += 1
+        if gamma == 0:
+            return
+        grow = gamma - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for accepted in num_accepted:
+            self.proposed += gamma
+            self.accepted += accepted
+            for position in range(gamma):
+                self.proposed_per_position[position] += 1
+                self.accepted_per_position[position] += int(position < accepted)
+
+
+class Stopwatch:
+    """Sums the time spent in named sections without synchronising the device inside the loop.
+
+    On CUDA it records events and reads them once at the end; elsewhere kernels run synchronously
+    and a wall clock is exact.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def section(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def totals(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self.seconds[name] = self.seconds.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        return self.seconds

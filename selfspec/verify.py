@@ -1,0 +1,74 @@
+"""The accept-reject rule: which drafted tokens are kept, and the one token drawn after them.
+
+Speculative sampling (DESIGN.md section 1), for drafts x_1..x_G with x_i ~ q_i and target p_1..p_{G+1}:
+accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection j draw from the residual
+max(0, p_j - q_j) / sum(max(0, p_j - q_j)); if all G are accepted draw a bonus token from p_{G+1}.
+Every committed token is then distributed exactly as p. Greedy keeps drafts while they equal argmax p_i
+and commits argmax p at the first mismatch (or after the last draft).
+
+Everything is vectorised over the batch and the draft positions; nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verification: `num_accepted[b]` drafts kept in row b, then `next_token[b]`."""
+
+    num_accepted: torch.Tensor  # [batch] long, 0..G
+    next_token: torch.Tensor  # [batch] long
+
+
+def _leading_true(flags: torch.Tensor) -> torch.Tensor:
+    """Number of leading True values along the last dimension: [batch, G] bool -> [batch] long."""
+    return flags.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), renormalised; where p <= q everywhere (p == q), p itself: [..., V] -> [..., V].
+
+    With q = 0 (no draft at that position) this is p, which makes the bonus token the same draw.
+    The p == q fallback is never reached by an exact rule (a draft from q == p is always accepted); it
+    keeps rounding from ever handing a zero or NaN vector to the sampler.
+    """
+    residual = (p - q).clamp_min(0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / torch.where(total > 0, total, 1), p)
+
+
+def accept_greedy(target_scores: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+    """Greedy verification. target_scores: [batch, G+1, V]; draft_tokens: [batch, G]."""
+    choice = target_scores.argmax(dim=-1)  # [batch, G+1]
+    gamma = draft_tokens.shape[1]
+    num_accepted = _leading_true(draft_tokens == choice[:, :gamma])
+    next_token = choice.gather(1, num_accepted[:, None]).squeeze(1)
+    return Verdict(num_accepted, next_token)
+
+
+def accept_sampling(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor, generator: torch.Generator | None = None
+) -> Verdict:
+    """Speculative sampling. p: [batch, G+1, V] target probabilities; q: [batch, G, V] draft
+    probabilities the drafts were sampled from; draft_tokens: [batch, G]."""
+    batch, gamma = draft_tokens.shape
+    p_draft = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, G]
+    q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, G], > 0: x_i was drawn from q_i
+    u = torch.rand(batch, gamma, device=p.device, dtype=p.dtype, generator=generator)
+    num_accepted = _leading_true(u * q_draft < p_draft)  # u < p/q, i.e. probability min(1, p/q)
+    # position num_accepted: the residual after a rejection, or p_{G+1} (q padded with zeros) for the bonus
+    q_padded = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # [batch, G+1, V]
+    index = num_accepted[:, None, None].expand(-1, 1, p.shape[-1])
+    p_at = p.gather(1, index).squeeze(1)  # [batch, V]
+    q_at = q_padded.gather(1, index).squeeze(1)
+    next_token = torch.multinomial(residual_distribution(p_at, q_at), 1, generator=generator).squeeze(1)
+    return Verdict(num_accepted, next_token)
+
+
+def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Analytic acceptance rate alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), per position: [..., V] -> [...]."""
+    return torch.minimum(p, q).sum(dim=-1)
