@@ -1,0 +1,73 @@
+"""Greedy self-speculative output is token-identical to `model.generate(do_sample=False)`.
+
+Every supported family, exit layers 1..3 of 4, num_draft_tokens 1..8, prompts of 1 to 50 tokens, and
+40 new tokens: well past the sliding window (8) of Qwen2, Mistral, Phi3 and Gemma2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ARCHITECTURES, random_prompt, tiny_model
+
+from selfspec import SelfSpeculative
+
+PROMPT_LENGTHS = [1, 5, 17, 50]
+# (exit_layer, num_draft_tokens, prompt_length): every gamma 1..8, every exit layer, every prompt length
+GRID = [(1 + g % 3, g, PROMPT_LENGTHS[g % 4]) for g in range(1, 9)] + [
+    (1 + g % 3, g, PROMPT_LENGTHS[(g + 2) % 4]) for g in range(1, 9)
+]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request):
+    return tiny_model(request.param)
+
+
+def test_greedy_matches_generate(model):
+    for exit_layer, gamma, prompt_length in GRID:
+        prompt = random_prompt(prompt_length, seed=prompt_length + gamma)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        spec = SelfSpeculative(model, exit_layer=exit_layer, num_draft_tokens=gamma)
+        actual = spec.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert torch.equal(actual, expected), (
+            f"{model.config.model_type}: exit_layer={exit_layer} gamma={gamma} prompt={prompt_length}\n"
+            f"expected {expected[0, prompt_length:].tolist()}\nactual   {actual[0, prompt_length:].tolist()}"
+        )
+        assert spec.stats.new_tokens == 40
+
+
+def test_each_layer_processes_each_position_once(model):
+    """KV reuse: the verify pass runs the lower layers only for the position the draft has not seen,
+    so every layer processes the prompt plus (gamma + 1) positions per iteration, lower and upper alike
+    (re-running the lower layers, as transformers' early exit does, would make it 2 gamma + 1)."""
+    positions = [0] * len(model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h)
+    handles = []
+    layers = model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h
+    for index, layer in enumerate(layers):
+        first = next(m for m in layer.modules() if len(list(m.parameters(recurse=False))) > 0)
+
+        def count(module, args, index=index):
+            positions[index] += args[0].shape[-2]
+
+        handles.append(first.register_forward_pre_hook(count))
+    try:
+        spec = SelfSpeculative(model, exit_layer=2, num_draft_tokens=4)
+        prompt = random_prompt(9, seed=3)
+        spec.generate(prompt, max_new_tokens=30, do_sample=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    stats = spec.stats
+    assert stats.iterations > 0 and stats.proposed > 0
+    expected = prompt.shape[1] + stats.proposed + stats.iterations
+    assert positions == [expected] * len(layers)
+
+
+def test_greedy_with_processors_matches_generate(model):
+    """Processors that read the prefix (repetition penalty, no-repeat n-grams) see the drafted prefix."""
+    prompt = random_prompt(12, seed=7)
+    kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    expected = model.generate(prompt, **kwargs)
+    actual = SelfSpeculative(model, exit_layer=2, num_draft_tokens=5).generate(prompt, **kwargs)
+    assert torch.equal(actual, expected)
