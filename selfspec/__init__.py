@@ -2,7 +2,7 @@
 
 from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from .generation import UnsupportedGenerationArgument
-from .heads import ExitHead, ExitHeads, HeadsMismatchError, load_heads
+from .heads import DraftHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
 from .speculative import SelfSpeculative
 from .stats import GenerationStats
 
@@ -10,10 +10,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "DraftHeads",
     "ExitHead",
     "ExitHeads",
     "GenerationStats",
     "HeadsMismatchError",
+    "MedusaHeads",
     "SelfSpeculative",
     "UnsupportedGenerationArgument",
     "UnsupportedModelError",

@@ -76,7 +76,8 @@ class ModelAdapter:
         model_type = getattr(config, "model_type", None)
         if getattr(config, "is_encoder_decoder", False):
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} ({model_type}) is an encoder-decoder model; selfspec needs a decoder-only causal LM."
+                f"{type(self.model).__name__} ({model_type}) is an encoder-decoder model; "
+                "selfspec needs a decoder-only causal LM."
             )
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -175,6 +176,16 @@ class ModelAdapter:
         """All layers: logits `[batch, positions, vocab]` (the last `logits_to_keep` positions if > 0)."""
         return self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
 
+    def forward_with_hidden(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0):
+        """All layers: (logits, last hidden state after the final norm `[batch, positions, H]`)."""
+        captured = []
+        handle = self.final_norm.register_forward_hook(lambda module, args, output: captured.append(output))
+        try:
+            logits = self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
+        finally:
+            handle.remove()
+        return logits, captured[-1]
+
     def run_lower(self, input_ids, position_ids, cache, exit_layer: int, attention_mask=None) -> torch.Tensor:
         """Layers 0..exit_layer-1 only: the hidden state after layer `exit_layer` (before any norm)."""
 
@@ -226,7 +237,11 @@ class ModelAdapter:
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's own final norm and LM head (with its logit soft-capping) on `hidden`."""
-        logits = self.lm_head(self.final_norm(hidden))
+        return self.lm_logits(self.final_norm(hidden))
+
+    def lm_logits(self, normed: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """The LM head (the model's own unless another is given) and the model's soft-capping."""
+        logits = (lm_head or self.lm_head)(normed)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

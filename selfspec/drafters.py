@@ -4,6 +4,7 @@ matches them. A drafter owns both halves because the early-exit verify pass reus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from .adapter import ModelAdapter
 from .generation import process_scores
+from .heads import MedusaHeads
 
 
 @dataclass
@@ -54,11 +56,33 @@ def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(dim=-1)
 
 
+def draft_tokens(
+    state: DecodeState,
+    gamma: int,
+    processors: LogitsProcessorList,
+    do_sample: bool,
+    next_logits: Callable[[int, torch.Tensor], torch.Tensor],
+) -> Draft:
+    """Draft gamma tokens one after the other. `next_logits(i, token)` gives the raw draft logits
+    [batch, V] for draft position i, given the token [batch, 1] before it (the pending token for i = 0).
+    Each position is processed with its own prefix, as the target's positions will be."""
+    token, drafted, scores = state.sequences[:, -1:], [], []
+    for i in range(gamma):
+        prefix = torch.cat([state.sequences, *drafted], dim=1)
+        score = process_scores(processors, prefix, prefix[:, :0], next_logits(i, token)[:, None])[:, 0]  # [batch, V]
+        token = pick(score, do_sample)[:, None]
+        drafted.append(token)
+        scores.append(score)
+    return Draft(torch.cat(drafted, dim=1), torch.stack(scores, dim=1))
+
+
 class EarlyExitDrafter:
     """q from layers 0..k-1 and an exit head (the model's own final norm and LM head, optionally after a
     trained block). The draft writes the lower-layer KV entries of its positions into the one shared
     cache; the verify pass runs the lower layers only for the last draft token and the upper layers for
     all G+1 positions."""
+
+    needs_hidden = False  # drafts from the lower layers, not from the target's last hidden state
 
     def __init__(self, adapter: ModelAdapter, exit_layer: int, head: nn.Module | None = None):
         self.adapter = adapter
@@ -80,17 +104,14 @@ class EarlyExitDrafter:
 
     def draft(self, state: DecodeState, gamma: int, processors: LogitsProcessorList, do_sample: bool) -> Draft:
         start = state.length - 1  # index of the pending token
-        token = state.sequences[:, -1:]
-        self._hidden, drafted, scores = [], [], []
-        for i in range(gamma):
+        self._hidden = []
+
+        def next_logits(i: int, token: torch.Tensor) -> torch.Tensor:
             hidden = self._lower(state, token, start + i)  # [batch, 1, H]
             self._hidden.append(hidden)
-            prefix = torch.cat([state.sequences, *drafted], dim=1)
-            score = process_scores(processors, prefix, prefix[:, :0], self.exit_logits(hidden))[:, 0]  # [batch, V]
-            token = pick(score, do_sample)[:, None]
-            drafted.append(token)
-            scores.append(score)
-        return Draft(torch.cat(drafted, dim=1), torch.stack(scores, dim=1))
+            return self.exit_logits(hidden[:, -1])
+
+        return draft_tokens(state, gamma, processors, do_sample, next_logits)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Target logits [batch, G+1, V] for the pending token and the G drafts."""
@@ -108,3 +129,42 @@ class EarlyExitDrafter:
         )
         self._hidden = []
         return logits
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """Nothing to carry over: the next draft starts from the pending token."""
+
+
+class MedusaDrafter:
+    """Medusa heads read the target's last hidden state (the one that gave the pending token) and propose
+    the next tokens at once; the verify pass is one ordinary pass of the full model over the pending token
+    and the drafts, which also yields the hidden state the next proposals are read from."""
+
+    needs_hidden = True  # every target pass hands its last normed hidden state to `observe`
+
+    def __init__(self, adapter: ModelAdapter, heads: MedusaHeads):
+        self.adapter = adapter
+        self.heads = heads
+        self._hidden: torch.Tensor | None = None  # [batch, H]
+        self._verified: torch.Tensor | None = None  # [batch, G+1, H]
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The normed hidden state [batch, H] whose LM-head output gave the pending token."""
+        self._hidden = hidden
+
+    def draft(self, state: DecodeState, gamma: int, processors: LogitsProcessorList, do_sample: bool) -> Draft:
+        proposals = self.heads.logits(self._hidden, self.adapter)  # [batch, num_heads, V]
+        return draft_tokens(state, gamma, processors, do_sample, lambda i, token: proposals[:, i])
+
+    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        start, gamma = state.length - 1, draft.tokens.shape[1]
+        tokens = torch.cat([state.sequences[:, -1:], draft.tokens], dim=1)
+        logits, self._verified = self.adapter.forward_with_hidden(
+            tokens, state.position_ids(start, gamma + 1), state.cache, state.attention_mask(start + gamma + 1)
+        )
+        return logits
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """Keep the hidden state at the position whose distribution gave the new pending token."""
+        index = num_accepted[:, None, None].expand(-1, 1, self._verified.shape[-1])
+        self.observe(self._verified.gather(1, index).squeeze(1))
+        self._verified = None

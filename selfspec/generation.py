@@ -44,7 +44,14 @@ _OFF_VALUES: dict[str, tuple] = {
 }
 
 # `generate` keyword arguments outside the generation config that selfspec takes
-_CALL_ARGUMENTS = {"attention_mask", "logits_processor", "stopping_criteria", "streamer", "tokenizer", "prefix_allowed_tokens_fn"}
+_CALL_ARGUMENTS = {
+    "attention_mask",
+    "logits_processor",
+    "stopping_criteria",
+    "streamer",
+    "tokenizer",
+    "prefix_allowed_tokens_fn",
+}
 # `generate` keyword arguments that select machinery selfspec replaces or does not have
 _REJECTED_CALL_ARGUMENTS = {
     "assistant_model": "selfspec drafts with the model's own layers; an assistant model is not used",
@@ -107,7 +114,8 @@ def prepare_generation(
         max_new_tokens = max_length - prompt_length
     if max_new_tokens < 1:
         raise ValueError(
-            f"Nothing to generate: the prompt has {prompt_length} tokens and max_length leaves {max_new_tokens} new tokens; "
+            f"Nothing to generate: the prompt has {prompt_length} tokens and max_length leaves "
+            f"{max_new_tokens} new tokens; "
             "set max_new_tokens."
         )
 
@@ -157,5 +165,7 @@ def process_scores(
     logits = logits.float()
     if len(processors) == 0:
         return logits
-    positions = [processors(torch.cat([prefix, tokens[:, :i]], dim=1), logits[:, i].clone()) for i in range(logits.shape[1])]
+    positions = [
+        processors(torch.cat([prefix, tokens[:, :i]], dim=1), logits[:, i].clone()) for i in range(logits.shape[1])
+    ]
     return torch.stack(positions, dim=1)

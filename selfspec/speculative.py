@@ -11,9 +11,9 @@ from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
-from .drafters import DecodeState, EarlyExitDrafter, pick
+from .drafters import DecodeState, EarlyExitDrafter, MedusaDrafter, pick
 from .generation import GenerationSetup, prepare_generation, process_scores
-from .heads import ExitHeads, load_heads
+from .heads import DraftHeads, MedusaHeads, load_heads
 from .stats import GenerationStats, Stopwatch
 from .verify import Verdict, accept_greedy, accept_sampling, acceptance_mass
 
@@ -60,38 +60,47 @@ class SelfSpeculative:
         model: nn.Module,
         exit_layer: int | None = None,
         num_draft_tokens: int | None = None,
-        heads: str | os.PathLike | ExitHeads | None = None,
+        heads: str | os.PathLike | DraftHeads | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
         num_layers = self.adapter.num_layers
-        if num_layers < 2:
-            raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
-        if heads is not None and not isinstance(heads, ExitHeads):
+        if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads
-        if exit_layer is None:
-            exit_layer = heads.default_exit_layer if heads is not None else max(1, num_layers // 4)
-        if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
-            raise ValueError(
-                f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so exit_layer "
-                f"must be an integer from 1 to {num_layers - 1}."
-            )
+        if heads is not None:
+            heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
+        if isinstance(heads, MedusaHeads):
+            if exit_layer is not None:
+                raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
+            max_drafts = heads.num_heads
+            self.drafter = MedusaDrafter(self.adapter, heads)
+        else:
+            if num_layers < 2:
+                raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
+            if exit_layer is None:
+                exit_layer = heads.default_exit_layer if heads is not None else max(1, num_layers // 4)
+            if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
+                raise ValueError(
+                    f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so "
+                    f"exit_layer must be an integer from 1 to {num_layers - 1}."
+                )
+            max_drafts = MAX_DRAFT_TOKENS
+            self.drafter = EarlyExitDrafter(self.adapter, exit_layer, heads.head_for(exit_layer) if heads else None)
         if num_draft_tokens is None:
-            num_draft_tokens = (heads.num_draft_tokens if heads is not None else None) or DEFAULT_DRAFT_TOKENS
+            default = heads.num_heads if isinstance(heads, MedusaHeads) else DEFAULT_DRAFT_TOKENS
+            num_draft_tokens = min((heads.num_draft_tokens if heads is not None else None) or default, max_drafts)
         if (
             isinstance(num_draft_tokens, bool)
             or not isinstance(num_draft_tokens, int)
-            or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+            or not 1 <= num_draft_tokens <= max_drafts
         ):
-            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {MAX_DRAFT_TOKENS}.")
-        head = None
-        if heads is not None:
-            heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
-            head = heads.head_for(exit_layer)
+            what = f"the {max_drafts} Medusa heads" if isinstance(heads, MedusaHeads) else "the limit"
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {max_drafts} ({what})."
+            )
         self.exit_layer = exit_layer
         self.num_draft_tokens = num_draft_tokens
-        self.drafter = EarlyExitDrafter(self.adapter, exit_layer, head)
         self.stats: GenerationStats | None = None
 
     def __getattr__(self, name: str):
@@ -116,7 +125,8 @@ class SelfSpeculative:
             raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(
-                f"The prompt must be a non-empty [batch, length] tensor of token ids; got shape {tuple(input_ids.shape)}."
+                "The prompt must be a non-empty [batch, length] tensor of token ids; "
+                f"got shape {tuple(input_ids.shape)}."
             )
         if input_ids.shape[0] != 1:
             raise ValueError(f"selfspec generates one sequence at a time for now; got a batch of {input_ids.shape[0]}.")
@@ -145,11 +155,11 @@ class SelfSpeculative:
         start = state.length - 1  # sequence index of the pending token
         if gamma == 0:
             with call.watch.section("verify"):
-                logits = self.adapter.forward(
-                    state.sequences[:, -1:], state.position_ids(start, 1), state.cache, state.attention_mask(start + 1)
-                )
+                logits = self._plain_pass(state, state.sequences[:, -1:], start)
                 scores = process_scores(setup.processors, state.sequences, state.sequences[:, :0], logits)
-                verdict = Verdict(state.sequences.new_zeros(state.sequences.shape[0]), pick(scores[:, 0], setup.do_sample))
+                verdict = Verdict(
+                    state.sequences.new_zeros(state.sequences.shape[0]), pick(scores[:, 0], setup.do_sample)
+                )
                 drafts = state.sequences[:, :0]
         else:
             with call.watch.section("draft"):
@@ -166,6 +176,8 @@ class SelfSpeculative:
                 call.alpha += torch.stack([(mass * tested).sum(), tested.sum()]).double()
         committed = torch.cat([drafts, verdict.next_token[:, None]], dim=1)
         committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, G+1]
+        if gamma > 0:
+            self.drafter.accept(verdict.num_accepted)
         num_accepted, finished = self._commit(call, committed, verdict.num_accepted, scores, logits)
         call.stats.record_iteration(gamma, [num_accepted])
         if not finished:
@@ -193,13 +205,22 @@ class SelfSpeculative:
             setup.streamer.put(input_ids.cpu())
         with call.watch.section("prefill"):
             length = input_ids.shape[1]
-            logits = self.adapter.forward(
-                input_ids, state.position_ids(0, length), state.cache, state.attention_mask(length), logits_to_keep=1
-            )
+            logits = self._plain_pass(state, input_ids, 0)
             scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
             token = pick(scores[:, 0], setup.do_sample)[:, None]
         call.stats.target_passes += 1
         return call, token, scores, logits
+
+    def _plain_pass(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """All layers over `tokens` [batch, n] at sequence indices start..: logits of the last position
+        [batch, 1, V]. A drafter that reads the target's hidden state gets the last one."""
+        count = tokens.shape[1]
+        args = (tokens, state.position_ids(start, count), state.cache, state.attention_mask(start + count))
+        if not self.drafter.needs_hidden:
+            return self.adapter.forward(*args, logits_to_keep=1)
+        logits, hidden = self.adapter.forward_with_hidden(*args, logits_to_keep=1)
+        self.drafter.observe(hidden[:, -1])
+        return logits
 
     def _commit(self, call: _Call, committed, num_accepted, scores, logits) -> tuple[int, bool]:
         """Append `committed[:, :num_accepted+1]` [batch, G+1] up to the first EOS, the token budget and the

@@ -41,7 +41,9 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)
-        out.update(alpha_hat=self.alpha_hat, tokens_per_pass=self.tokens_per_pass, tokens_per_second=self.tokens_per_second)
+        out.update(
+            alpha_hat=self.alpha_hat, tokens_per_pass=self.tokens_per_pass, tokens_per_second=self.tokens_per_second
+        )
         return out
 
     def record_iteration(self, gamma: int, num_accepted: list[int]) -> None:

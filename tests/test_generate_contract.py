@@ -89,12 +89,14 @@ def test_custom_logits_processor_and_stopping_criteria(model):
 
 def test_return_dict_with_scores_and_logits(model):
     prompt = random_prompt(6, seed=16)
-    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    kwargs = dict(
+        max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
     expected, actual = both(model, prompt, repetition_penalty=1.2, **kwargs)
     assert type(actual) is type(expected)
     assert torch.equal(actual.sequences, expected.sequences)
     assert len(actual.scores) == len(expected.scores) == 12
-    for mine, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+    for mine, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -170,7 +172,7 @@ def test_stats_describe_the_call(model):
     assert stats.target_passes == stats.iterations + 1
     assert sum(stats.proposed_per_position) == stats.proposed and sum(stats.accepted_per_position) == stats.accepted
     # acceptances at draft position i+1 imply acceptance at position i
-    assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
+    assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:], strict=False))
     assert stats.alpha_hat == stats.accepted / stats.proposed
     assert 0.0 <= stats.alpha <= 1.0
     # every committed token came from a verify pass: accepted drafts plus one per pass

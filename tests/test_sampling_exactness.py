@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_medusa import medusa_heads
 from tiny_models import tiny_model
 
 from selfspec import SelfSpeculative, verify
@@ -61,8 +62,12 @@ def exact_law(model, **processing) -> torch.Tensor:
     return law
 
 
-def sampled_counts(model, num_draft_tokens: int, seed: int = 0, **processing) -> torch.Tensor:
-    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=num_draft_tokens)
+def sampled_counts(model, num_draft_tokens: int, seed: int = 0, heads=None, **processing) -> torch.Tensor:
+    """Counts of the first three tokens over SAMPLES generations: early exit after layer 1, or `heads`."""
+    if heads is None:
+        spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=num_draft_tokens)
+    else:
+        spec = SelfSpeculative(model, heads=heads, num_draft_tokens=num_draft_tokens)
     torch.manual_seed(seed)
     counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
     accepted = proposed = 0
@@ -96,6 +101,14 @@ SETTINGS = [
 def test_sampling_is_distributed_as_the_target(model, num_draft_tokens, processing):
     law = exact_law(model, **processing)
     counts = sampled_counts(model, num_draft_tokens, **processing)
+    pvalue = chi_square_pvalue(counts, law)
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
+def test_medusa_chain_sampling_is_distributed_as_the_target(model):
+    heads = medusa_heads(model, num_heads=2, scale=0.3)
+    law = exact_law(model, top_k=3)
+    counts = sampled_counts(model, 2, heads=heads, top_k=3)
     pvalue = chi_square_pvalue(counts, law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 

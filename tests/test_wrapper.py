@@ -93,7 +93,9 @@ def test_exit_heads_round_trip_and_stay_exact(model, tmp_path):
     assert in_memory.stats.alpha != untrained.stats.alpha  # the head really changed the draft
     # saving again over the folder replaces it atomically
     trained_looking_heads(model, seed=1).save_pretrained(tmp_path / "heads")
-    assert not torch.equal(SelfSpeculative(model, heads=tmp_path / "heads").heads.heads["2"].up.weight, heads.heads["2"].up.weight)
+    assert not torch.equal(
+        SelfSpeculative(model, heads=tmp_path / "heads").heads.heads["2"].up.weight, heads.heads["2"].up.weight
+    )
 
 
 def test_heads_for_another_target_are_refused(model, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     Gemma2Config,
     GemmaConfig,
     GPT2Config,
@@ -17,7 +18,6 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     Qwen2Config,
-    AutoModelForCausalLM,
 )
 
 SLIDING_WINDOW = 8  # small, so that generation runs past it
@@ -39,7 +39,9 @@ def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, hidden: in
     if arch == "llama":
         return LlamaConfig(**llama_like)
     if arch == "qwen2":  # lower layers full attention, upper layers sliding
-        return Qwen2Config(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=num_layers // 2, **llama_like)
+        return Qwen2Config(
+            use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=num_layers // 2, **llama_like
+        )
     if arch == "mistral":
         return MistralConfig(sliding_window=SLIDING_WINDOW, **llama_like)
     if arch == "phi3":
