@@ -244,6 +244,7 @@ def load_heads(path: str | os.PathLike, adapter: ModelAdapter) -> DraftHeads:
         raise HeadsMismatchError(f"Heads weights {path / WEIGHTS_NAME} do not match {CONFIG_NAME}: {error}") from error
     if missing or unexpected:
         raise HeadsMismatchError(
-            f"Heads weights {path / WEIGHTS_NAME} do not match {CONFIG_NAME}: missing {missing}, unexpected {unexpected}."
+            f"Heads weights {path / WEIGHTS_NAME} do not match {CONFIG_NAME}: "
+            f"missing {missing}, unexpected {unexpected}."
         )
     return heads

@@ -204,7 +204,6 @@ class SelfSpeculative:
         if setup.streamer is not None:
             setup.streamer.put(input_ids.cpu())
         with call.watch.section("prefill"):
-            length = input_ids.shape[1]
             logits = self._plain_pass(state, input_ids, 0)
             scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
             token = pick(scores[:, 0], setup.do_sample)[:, None]
