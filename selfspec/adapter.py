@@ -31,6 +31,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# families whose forward takes a {layer type: 4D mask} dict, needed when full and sliding layers mix
+MIXED_MASK_MODELS = {"qwen2", "gemma2"}
+
+
 class UnsupportedModelError(ValueError):
     """The model is not a decoder-only causal LM of a family selfspec drives."""
 
@@ -47,6 +51,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """The transformers model under a peft `PeftModel` (its LoRA layers stay active), or the model itself."""
     get_base_model = getattr(model, "get_base_model", None)
     if callable(get_base_model) and type(model).__module__.startswith("peft"):
+        config = model.peft_config.get(model.active_adapter)
+        if config is not None and config.is_prompt_learning:
+            raise UnsupportedModelError(
+                f"peft {config.peft_type} adapters add virtual tokens that selfspec does not drive; "
+                "injected adapters such as LoRA are supported."
+            )
         return get_base_model()
     return model
 
@@ -103,6 +113,9 @@ class ModelAdapter:
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        # longrope switches every position of a forward to long frequencies once one position passes this
+        self.rope_switch = rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
         parameters = inspect.signature(self.model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; earlier 5.x silently swallows `cache=`.
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
@@ -160,6 +173,55 @@ class ModelAdapter:
         view = copy.copy(cache)
         view.layers = layers
         return view
+
+    def compact(self, cache: DynamicCache, num_new: int, keep: torch.Tensor) -> None:
+        """Of the last `num_new` positions of every layer (a verified tree), keep those at `keep` [k], in
+        that order; sliding layers then trim back to their window."""
+        for layer in cache.layers:
+            old = layer.keys.shape[-2] - num_new
+            layer.keys = torch.cat([layer.keys[..., :old, :], layer.keys[..., old:, :].index_select(-2, keep)], dim=-2)
+            layer.values = torch.cat(
+                [layer.values[..., :old, :], layer.values[..., old:, :].index_select(-2, keep)], dim=-2
+            )
+            if layer.is_sliding:
+                layer.cumulative_length -= num_new - keep.shape[0]
+            layer.crop(0)
+
+    def tree_attention_mask(self, cache: DynamicCache, start: int, tree, prompt_mask: torch.Tensor | None):
+        """Float masks `[batch, 1, N+1, kv_length]` for verifying `tree` (a `CandidateTree`) whose root sits
+        at sequence index `start`: every node sees the visible past and its own ancestors, within the
+        window on sliding layers. One mask per attention type present, sized as that type's layers see
+        the cache; a dict {type: mask} when a model mixes types."""
+        count = tree.num_nodes + 1
+        node_index = start + tree.depth  # [N+1] sequence index each node stands for
+        batch = 1 if prompt_mask is None else prompt_mask.shape[0]
+        masks = {}
+        for layer in cache.layers:
+            kind = "sliding_attention" if layer.is_sliding else "full_attention"
+            if kind in masks:
+                continue
+            kv_length, kv_offset = layer.get_mask_sizes(count)
+            past_index = kv_offset + torch.arange(kv_length - count, device=node_index.device)
+            key_index = torch.cat([past_index, node_index])  # [kv_length]
+            visible = torch.cat(
+                [torch.ones(count, kv_length - count, dtype=torch.bool, device=node_index.device), tree.visible], dim=1
+            )[None].expand(batch, -1, -1)  # [batch, N+1, kv_length]
+            if layer.is_sliding:
+                visible = visible & (key_index[None, :] > node_index[:, None] - layer.sliding_window)[None]
+            if prompt_mask is not None:  # padding tokens of the prompt stay invisible
+                prompt_keys = max(0, min(prompt_mask.shape[1] - kv_offset, kv_length - count))
+                keys_ok = torch.ones(batch, kv_length, dtype=torch.bool, device=node_index.device)
+                keys_ok[:, :prompt_keys] = prompt_mask[:, kv_offset : kv_offset + prompt_keys].bool()
+                visible = visible & keys_ok[:, None, :]
+            blocked = torch.finfo(self.dtype).min
+            masks[kind] = torch.zeros(visible.shape, dtype=self.dtype, device=node_index.device).masked_fill(
+                ~visible, blocked
+            )[:, None]
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        if self.model_type not in MIXED_MASK_MODELS:
+            raise NotImplementedError(f"Tree verification for {self.model_type} with mixed attention types.")
+        return masks
 
     # ---------------------------------------------------------------------------------------- passes
     def _forward(self, input_ids, position_ids, cache, attention_mask, logits_to_keep: int = 0):

@@ -14,6 +14,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from .adapter import ModelAdapter
 from .generation import process_scores
 from .heads import MedusaHeads
+from .tree import CandidateTree
 
 
 @dataclass
@@ -32,8 +33,9 @@ class DecodeState:
 
     def position_ids(self, start: int, count: int) -> torch.Tensor:
         """Position ids [batch, count] of sequence indices start..start+count-1."""
-        index = torch.arange(start, start + count, device=self.sequences.device)
-        return index[None, :] - self.pad_offset[:, None]
+        index = torch.arange(start, start + count, device=self.sequences.device)[None, :]
+        # as model.generate numbers them: padding tokens get position 1 (they are masked anyway)
+        return torch.where(index < self.pad_offset[:, None], 1, index - self.pad_offset[:, None])
 
     def attention_mask(self, end: int) -> torch.Tensor | None:
         """2D mask over sequence indices 0..end-1, or None when nothing is padded."""
@@ -141,9 +143,10 @@ class MedusaDrafter:
 
     needs_hidden = True  # every target pass hands its last normed hidden state to `observe`
 
-    def __init__(self, adapter: ModelAdapter, heads: MedusaHeads):
+    def __init__(self, adapter: ModelAdapter, heads: MedusaHeads, tree: CandidateTree | None = None):
         self.adapter = adapter
         self.heads = heads
+        self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
         self._verified: torch.Tensor | None = None  # [batch, G+1, H]
 
@@ -163,8 +166,23 @@ class MedusaDrafter:
         )
         return logits
 
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        """Keep the hidden state at the position whose distribution gave the new pending token."""
-        index = num_accepted[:, None, None].expand(-1, 1, self._verified.shape[-1])
-        self.observe(self._verified.gather(1, index).squeeze(1))
+    def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate tokens [batch, N] of the tree's nodes, and the heads' logits [batch, num_heads, V]."""
+        proposals = self.heads.logits(self._hidden, self.adapter)
+        return self.tree.node_tokens(proposals), proposals
+
+    def verify_tree(self, state: DecodeState, node_tokens: torch.Tensor) -> torch.Tensor:
+        """Target logits [batch, N+1, V] of the root and every node, in one pass with a tree mask."""
+        start = state.length - 1
+        tokens = torch.cat([state.sequences[:, -1:], node_tokens], dim=1)
+        positions = state.position_ids(start, 1) + self.tree.depth[None, :]  # [batch, N+1]
+        mask = self.adapter.tree_attention_mask(state.cache, start, self.tree, state.prompt_mask)
+        logits, self._verified = self.adapter.forward_with_hidden(tokens, positions, state.cache, mask)
+        return logits
+
+    def accept(self, index: torch.Tensor) -> None:
+        """Keep the hidden state [batch] at the verified position (chain) or node (tree) whose distribution
+        gave the new pending token."""
+        gather = index[:, None, None].expand(-1, 1, self._verified.shape[-1])
+        self.observe(self._verified.gather(1, gather).squeeze(1))
         self._verified = None

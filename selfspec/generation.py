@@ -169,3 +169,18 @@ def process_scores(
         processors(torch.cat([prefix, tokens[:, :i]], dim=1), logits[:, i].clone()) for i in range(logits.shape[1])
     ]
     return torch.stack(positions, dim=1)
+
+
+def process_tree_scores(
+    processors: LogitsProcessorList, prefix: torch.Tensor, node_tokens: torch.Tensor, logits: torch.Tensor, tree
+) -> torch.Tensor:
+    """Processed scores [batch, N+1, V] for the tree nodes, each with the tokens on its own path as input ids.
+    node_tokens: [batch, N]; logits: [batch, N+1, V] (node 0 is the root)."""
+    logits = logits.float()
+    if len(processors) == 0:
+        return logits
+    scores = []
+    for node, path in enumerate(tree.prefixes):
+        ids = torch.cat([prefix, node_tokens[:, [n - 1 for n in path]]], dim=1)
+        scores.append(processors(ids, logits[:, node].clone()))
+    return torch.stack(scores, dim=1)

@@ -12,10 +12,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
 from .drafters import DecodeState, EarlyExitDrafter, MedusaDrafter, pick
-from .generation import GenerationSetup, prepare_generation, process_scores
+from .generation import GenerationSetup, prepare_generation, process_scores, process_tree_scores
 from .heads import DraftHeads, MedusaHeads, load_heads
 from .stats import GenerationStats, Stopwatch
-from .verify import Verdict, accept_greedy, accept_sampling, acceptance_mass
+from .tree import CandidateTree
+from .verify import Verdict, accept_greedy, accept_sampling, accept_tree, acceptance_mass
 
 MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
 DEFAULT_DRAFT_TOKENS = 4
@@ -30,6 +31,7 @@ class _Call:
     stats: GenerationStats = field(default_factory=GenerationStats)
     watch: Stopwatch | None = None
     alpha: torch.Tensor | None = None  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
+    pad_host: int = 0  # left-padding tokens of the prompt (batch 1)
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens
 
@@ -51,8 +53,10 @@ class SelfSpeculative:
         exit_layer: draft with layers 0..exit_layer-1 (1 <= exit_layer < num_hidden_layers). Default: the
             heads' first trained depth, else a quarter of the depth.
         num_draft_tokens: drafts per iteration (gamma). Default: the heads' setting, else 4.
-        heads: a heads folder (or loaded `ExitHeads`) trained for this model; None uses the model's own
-            final norm and LM head as the exit head (no training needed).
+        heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
+            the model's own final norm and LM head as the exit head (no training needed).
+        tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
+            verified in one pass; None drafts a chain.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class SelfSpeculative:
         exit_layer: int | None = None,
         num_draft_tokens: int | None = None,
         heads: str | os.PathLike | DraftHeads | None = None,
+        tree: list[list[int]] | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -74,8 +79,11 @@ class SelfSpeculative:
             if exit_layer is not None:
                 raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
             max_drafts = heads.num_heads
-            self.drafter = MedusaDrafter(self.adapter, heads)
+            candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree is not None else None
+            self.drafter = MedusaDrafter(self.adapter, heads, candidates)
         else:
+            if tree is not None:
+                raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
             if num_layers < 2:
                 raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
             if exit_layer is None:
@@ -141,8 +149,14 @@ class SelfSpeculative:
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._commit(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits)[1]
+        tree = getattr(self.drafter, "tree", None)
         while not finished:
-            finished = self.speculative_step(call, min(self.num_draft_tokens, call.remaining - 1))
+            span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
+            # a tree's deepest node sits `depth` positions after the pending token
+            if tree is not None and span >= tree.max_depth + 1:
+                finished = self.tree_step(call)
+            else:  # no tree, or no room for it: a chain of at most span - 1 drafts
+                finished = self.speculative_step(call, min(self.num_draft_tokens, span - 1))
         if setup.streamer is not None:
             setup.streamer.end()
         self.stats = self._finish_stats(call, started)
@@ -170,20 +184,63 @@ class SelfSpeculative:
                 scores = process_scores(setup.processors, state.sequences, drafts, logits)  # [batch, G+1, V]
                 p, q = scores.softmax(dim=-1), draft.scores.softmax(dim=-1)
                 verdict = accept_sampling(p, q, drafts) if setup.do_sample else accept_greedy(scores, drafts)
-                # analytic alpha over the positions the rule tested: 1..num_accepted+1
-                tested = torch.arange(gamma, device=p.device)[None, :] <= verdict.num_accepted[:, None]
-                mass = acceptance_mass(p[:, :gamma], q)
-                call.alpha += torch.stack([(mass * tested).sum(), tested.sum()]).double()
+                self._record_alpha(call, p[:, :gamma], q, verdict.num_accepted)
+            self.drafter.accept(verdict.num_accepted)
         committed = torch.cat([drafts, verdict.next_token[:, None]], dim=1)
         committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, G+1]
-        if gamma > 0:
-            self.drafter.accept(verdict.num_accepted)
         num_accepted, finished = self._commit(call, committed, verdict.num_accepted, scores, logits)
         call.stats.record_iteration(gamma, [num_accepted])
         if not finished:
             # keep the pending token and the accepted drafts; drop the rejected drafts' positions
             self.adapter.crop(state.cache, gamma - num_accepted)
         return finished
+
+    def tree_step(self, call: _Call) -> bool:
+        """One Medusa tree iteration: candidates from the heads' top-k, one verify pass with a tree mask,
+        the longest accepted path committed and the cache compacted to it. Returns True when done."""
+        state, setup, tree = call.state, call.setup, self.drafter.tree
+        depth = tree.max_depth
+        with call.watch.section("draft"):
+            node_tokens, proposals = self.drafter.draft_tree()  # [batch, N], [batch, num_heads, V]
+        with call.watch.section("verify"):
+            logits = self.drafter.verify_tree(state, node_tokens)  # [batch, N+1, V]
+            scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
+            p = scores.softmax(dim=-1)
+            verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
+            path = torch.cat(
+                [verdict.last_node.new_zeros(verdict.last_node.shape[0], 1), tree.ancestors[verdict.last_node]], dim=1
+            )
+            # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
+            path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
+            along = path[..., None].expand(-1, -1, scores.shape[-1])
+            path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
+            q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
+            self._record_alpha(call, path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
+        self.drafter.accept(verdict.last_node)
+        committed = torch.cat([path_tokens, verdict.next_token[:, None]], dim=1)
+        committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, D+1]
+        num_accepted, finished = self._commit(call, committed, verdict.num_accepted, path_scores, path_logits)
+        call.stats.record_iteration(depth, [num_accepted])
+        if not finished:
+            self.adapter.compact(state.cache, tree.num_nodes + 1, path[0, : num_accepted + 1])
+        return finished
+
+    def _span_before_rope_switch(self, call: _Call) -> int:
+        """How many positions from the pending token on one pass may cover without crossing a longrope
+        switch (plain decoding computes the positions before it with the short frequencies)."""
+        switch = self.adapter.rope_switch
+        position = call.state.length - 1 - call.pad_host
+        if switch is None or position >= switch:
+            return call.remaining + 1
+        return switch - position
+
+    @staticmethod
+    def _record_alpha(call: _Call, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
+        p, q: [batch, G, V]."""
+        tested = torch.arange(q.shape[1], device=q.device)[None, :] <= num_accepted[:, None]  # [batch, G]
+        mass = acceptance_mass(p, q)
+        call.alpha += torch.stack([(mass * tested).sum(), tested.sum()]).double()
 
     # -------------------------------------------------------------------------------------- helpers
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
@@ -199,7 +256,7 @@ class SelfSpeculative:
         else:
             pad_offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         state = DecodeState(input_ids, self.adapter.new_cache(), pad_offset, mask if padded else None)
-        call = _Call(setup, state, watch=Stopwatch(self.adapter.device))
+        call = _Call(setup, state, watch=Stopwatch(self.adapter.device), pad_host=int(pad_offset[0]))
         call.alpha = torch.zeros(2, device=input_ids.device, dtype=torch.float64)
         if setup.streamer is not None:
             setup.streamer.put(input_ids.cpu())
@@ -237,7 +294,7 @@ class SelfSpeculative:
         accepted_host, count_host, eos_host = torch.stack([num_accepted, count, eos_hit]).squeeze(1).tolist()
         kept = min(count_host, call.remaining)
         state.sequences = torch.cat([state.sequences, committed[:, :kept]], dim=1)
-        stop_at = self._stopping_point(state, setup, kept)
+        stop_at = self._stopping_point(state, setup, kept, scores)
         if stop_at is not None:
             state.sequences = state.sequences[:, : state.length - (kept - stop_at)]
             kept = stop_at
@@ -253,13 +310,14 @@ class SelfSpeculative:
         return accepted_host, finished
 
     @staticmethod
-    def _stopping_point(state: DecodeState, setup: GenerationSetup, count: int) -> int | None:
-        """How many of the last `count` tokens to keep when a stopping criterion fires among them, else None."""
+    def _stopping_point(state: DecodeState, setup: GenerationSetup, count: int, scores) -> int | None:
+        """How many of the last `count` tokens to keep when a stopping criterion fires among them, else None.
+        scores: [batch, >= count, V] the processed scores each of those tokens was drawn from."""
         if len(setup.stopping_criteria) == 0:
             return None
         length = state.length
         flags = [
-            setup.stopping_criteria(state.sequences[:, : length - count + j + 1], None).reshape(-1).any()
+            setup.stopping_criteria(state.sequences[:, : length - count + j + 1], scores[:, j]).reshape(-1).any()
             for j in range(count)
         ]
         hits = torch.stack(flags).tolist()

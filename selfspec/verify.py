@@ -72,3 +72,40 @@ def accept_sampling(
 def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Analytic acceptance rate alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), per position: [..., V] -> [...]."""
     return torch.minimum(p, q).sum(dim=-1)
+
+
+def tree_choices(p: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The target's token at every tree node: a draw from p_v, or its argmax. p: [batch, N+1, V]."""
+    if not do_sample:
+        return p.argmax(dim=-1)
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1).reshape(p.shape[:-1])
+
+
+@dataclass
+class TreeVerdict(Verdict):
+    last_node: torch.Tensor  # [batch] long: the deepest accepted node (0: the root)
+
+
+def accept_tree(p: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
+    """Tree verification (`tree` a `CandidateTree`). p: [batch, N+1, V] target probabilities at every
+    node (greedy needs only their argmax); node_tokens: [batch, N] candidate tokens of nodes 1..N.
+
+    Walk from the root: the child whose token equals the target's token at its parent is accepted; the
+    walk ends at a node none of whose children match, and that node's target token comes next. For
+    sampling this is the multi-candidate rule of DESIGN.md section 1 with deterministic candidates
+    c_1..c_m: accepting c_1 with probability p(c_1), else c_2 with p(c_2) / (1 - p(c_1)), ..., else
+    drawing from p without the c's, commits c_j with probability p(c_j) and any other token t with p(t);
+    one draw from p matched against the children has exactly that law, so every committed token is
+    distributed as p. For greedy it keeps the path that agrees with argmax p, as chain greedy does.
+    """
+    choice = tree_choices(p, do_sample)  # [batch, N+1]: the target's token at each node
+    batch = choice.shape[0]
+    tokens = torch.cat([node_tokens.new_full((batch, 1), -1), node_tokens], dim=1)  # [batch, N+1], root: none
+    accepted = torch.zeros_like(tokens, dtype=torch.bool)
+    accepted[:, 0] = True
+    for nodes in tree.levels:  # parents are settled before their children
+        parents = tree.parent[nodes]
+        accepted[:, nodes] = accepted[:, parents] & (tokens[:, nodes] == choice[:, parents])
+    last_node = (accepted.long() * (tree.depth + 1)).argmax(dim=1)  # siblings differ: one node per depth at most
+    next_token = choice.gather(1, last_node[:, None]).squeeze(1)
+    return TreeVerdict(tree.depth[last_node], next_token, last_node)

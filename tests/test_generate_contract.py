@@ -7,7 +7,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-from tiny_models import random_prompt, tiny_model
+from tiny_models import ARCHITECTURES, random_prompt, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast, TextStreamer
 from transformers.generation.streamers import BaseStreamer
@@ -53,7 +53,9 @@ def test_length_arguments(model):
         assert torch.equal(actual, expected), kwargs
 
 
-def test_left_padded_prompt_with_attention_mask(model):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_left_padded_prompt_with_attention_mask(arch):
+    model = tiny_model(arch, seed=5)
     prompt = torch.cat([torch.zeros(1, 4, dtype=torch.long), random_prompt(9, seed=13)], dim=1)
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
     expected, actual = both(model, prompt, attention_mask=mask, max_new_tokens=30, do_sample=False)

@@ -71,3 +71,26 @@ def test_greedy_with_processors_matches_generate(model):
     expected = model.generate(prompt, **kwargs)
     actual = SelfSpeculative(model, exit_layer=2, num_draft_tokens=5).generate(prompt, **kwargs)
     assert torch.equal(actual, expected)
+
+
+def test_longrope_verify_passes_never_straddle_the_switch():
+    """Phi3 longrope picks long frequencies for a whole forward once any position passes
+    original_max_position_embeddings; plain decoding computes the positions before it with short ones."""
+    head_dim = 8
+    model = tiny_model(
+        "phi3",
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * (head_dim // 2),
+            "long_factor": [8.0, 16.0, 32.0, 64.0],
+            "original_max_position_embeddings": 24,
+        },
+    )
+    for seed in range(4):
+        prompt = random_prompt(10, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        actual = SelfSpeculative(model, exit_layer=1, num_draft_tokens=6).generate(
+            prompt, max_new_tokens=40, do_sample=False
+        )
+        assert torch.equal(actual, expected), seed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, random_prompt, tiny_model
+from transformers.generation.streamers import BaseStreamer
 
 from selfspec import HeadsMismatchError, MedusaHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
@@ -86,3 +87,84 @@ def test_medusa_argument_errors(tmp_path):
     heads.save_pretrained(tmp_path / "medusa")
     with pytest.raises(HeadsMismatchError, match="vocab_size=96.*vocab_size=80"):
         SelfSpeculative(tiny_model("llama", vocab_size=80), heads=tmp_path / "medusa")
+
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0], [0, 0, 0, 0]]
+
+
+class FutureOracle(BaseStreamer):
+    """Stands in for well-trained heads: it watches the committed tokens (as a streamer) and proposes the
+    reference continuation, at rank 0 or 1 depending on the position, or not at all every fifth one, so
+    that deep paths, sibling branches and rejections all happen."""
+
+    def __init__(self, continuation: list[int], vocab_size: int):
+        self.continuation, self.vocab_size, self.committed = continuation, vocab_size, -1
+
+    def put(self, value):
+        # the first call carries the prompt; later ones the committed tokens, the pending one included
+        self.committed = 0 if self.committed < 0 else self.committed + value.numel()
+
+    def end(self):
+        pass
+
+    def logits(self, hidden, adapter):
+        generator = torch.Generator().manual_seed(self.committed)
+        num_heads = 4
+        proposals = torch.randn(1, num_heads, self.vocab_size, generator=generator)
+        for head in range(num_heads):
+            index = self.committed + head  # the token after the pending one, then further
+            if index >= len(self.continuation) or index % 5 == 4:
+                continue
+            token = self.continuation[index]
+            top = proposals[0, head].max()
+            proposals[0, head, token] = top + 1 if index % 3 else top - 1e-3  # rank 0, or rank 1 (or lower)
+        return proposals.to(hidden.device)
+
+
+def test_tree_greedy_matches_generate(model):
+    heads = medusa_heads(model, num_heads=4)
+    for prompt_length in (1, 9, 50):
+        prompt = random_prompt(prompt_length, seed=prompt_length)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        oracle = FutureOracle(expected[0, prompt_length:].tolist(), model.config.vocab_size)
+        spec = SelfSpeculative(model, heads=heads, tree=TREE)
+        spec.heads.logits = oracle.logits
+        actual = spec.generate(prompt, max_new_tokens=40, do_sample=False, streamer=oracle)
+        assert torch.equal(actual, expected), (model.config.model_type, prompt_length)
+        stats = spec.stats
+        assert stats.new_tokens == stats.accepted + stats.target_passes
+        assert stats.accepted_per_position[2] > 0 and stats.accepted < stats.proposed  # deep paths and rejections
+    # real (random) heads on the same tree: also exact
+    actual = SelfSpeculative(model, heads=heads, tree=TREE).generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(actual, expected)
+
+
+def test_tree_with_left_padding_and_processors():
+    model = tiny_model("gemma2")
+    heads = medusa_heads(model, num_heads=4)
+    prompt = torch.cat([torch.zeros(1, 3, dtype=torch.long), random_prompt(12, seed=3)], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], dim=1)
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
+    expected = model.generate(prompt, **kwargs)
+    oracle = FutureOracle(expected[0, 15:].tolist(), model.config.vocab_size)
+    spec = SelfSpeculative(model, heads=heads, tree=TREE)
+    spec.heads.logits = oracle.logits
+    assert torch.equal(spec.generate(prompt, streamer=oracle, **kwargs), expected)
+
+
+@pytest.mark.parametrize(
+    "tree,message",
+    [
+        ([], "at least one path"),
+        ([[0], [0]], "twice"),
+        ([[0, 1]], "no parent"),
+        ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "only 4 heads"),
+        ([[-1]], "non-negative"),
+    ],
+)
+def test_bad_trees_are_refused(tree, message):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), tree=tree)
+    with pytest.raises(ValueError, match="needs Medusa heads"):
+        SelfSpeculative(model, tree=[[0]])

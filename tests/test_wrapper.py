@@ -132,3 +132,11 @@ def test_peft_lora_target_generates_exactly():
     # the LoRA layers are active in what selfspec runs: without them the output differs
     with peft_model.disable_adapter():
         assert not torch.equal(base.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+
+
+def test_peft_prompt_learning_is_refused():
+    from peft import PromptTuningConfig
+
+    peft_model = get_peft_model(tiny_model("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(UnsupportedModelError, match="PROMPT_TUNING"):
+        SelfSpeculative(peft_model)

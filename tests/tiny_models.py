@@ -25,8 +25,10 @@ SLIDING_WINDOW = 8  # small, so that generation runs past it
 ARCHITECTURES = ["llama", "qwen2", "mistral", "phi3", "gemma", "gemma2", "gpt2", "gpt_neox"]
 
 
-def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, hidden: int = 32):
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, hidden: int = 32, **extra):
+    common = dict(
+        vocab_size=vocab_size, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False, **extra
+    )
     llama_like = dict(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
