@@ -186,10 +186,7 @@ class SelfSpeculative:
                 verdict = accept_sampling(p, q, drafts) if setup.do_sample else accept_greedy(scores, drafts)
                 self._record_alpha(call, p[:, :gamma], q, verdict.num_accepted)
             self.drafter.accept(verdict.num_accepted)
-        committed = torch.cat([drafts, verdict.next_token[:, None]], dim=1)
-        committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, G+1]
-        num_accepted, finished = self._commit(call, committed, verdict.num_accepted, scores, logits)
-        call.stats.record_iteration(gamma, [num_accepted])
+        num_accepted, finished = self._commit_verdict(call, drafts, verdict, scores, logits)
         if not finished:
             # keep the pending token and the accepted drafts; drop the rejected drafts' positions
             self.adapter.crop(state.cache, gamma - num_accepted)
@@ -217,13 +214,19 @@ class SelfSpeculative:
             q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
             self._record_alpha(call, path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self.drafter.accept(verdict.last_node)
-        committed = torch.cat([path_tokens, verdict.next_token[:, None]], dim=1)
-        committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, D+1]
-        num_accepted, finished = self._commit(call, committed, verdict.num_accepted, path_scores, path_logits)
-        call.stats.record_iteration(depth, [num_accepted])
+        num_accepted, finished = self._commit_verdict(call, path_tokens, verdict, path_scores, path_logits)
         if not finished:
             self.adapter.compact(state.cache, tree.num_nodes + 1, path[0, : num_accepted + 1])
         return finished
+
+    def _commit_verdict(self, call: _Call, drafts, verdict: Verdict, scores, logits) -> tuple[int, bool]:
+        """Commit the accepted drafts [batch, G] and the verdict's next token; count the iteration.
+        scores, logits: [batch, G+1, V] at the positions those tokens were drawn from."""
+        committed = torch.cat([drafts, verdict.next_token[:, None]], dim=1)
+        committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, G+1]
+        num_accepted, finished = self._commit(call, committed, verdict.num_accepted, scores, logits)
+        call.stats.record_iteration(drafts.shape[1], [num_accepted])
+        return num_accepted, finished
 
     def _span_before_rope_switch(self, call: _Call) -> int:
         """How many positions from the pending token on one pass may cover without crossing a longrope
