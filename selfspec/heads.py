@@ -158,8 +158,10 @@ class MedusaHeads(DraftHeads):
         num_layers: int = 1,
         own_lm_head: bool = False,
         num_draft_tokens: int | None = None,
+        tree: list[list[int]] | None = None,
     ):
         super().__init__(fingerprint, num_draft_tokens)
+        self.tree = [list(path) for path in tree] if tree is not None else None  # default candidate tree
         if num_heads < 1 or num_layers < 1:
             raise ValueError(f"MedusaHeads needs num_heads >= 1 and num_layers >= 1; got {num_heads}, {num_layers}.")
         self.num_heads, self.num_layers, self.own_lm_head = num_heads, num_layers, own_lm_head
@@ -180,6 +182,7 @@ class MedusaHeads(DraftHeads):
             "num_layers": self.num_layers,
             "own_lm_head": self.own_lm_head,
             "num_draft_tokens": self.num_draft_tokens,
+            "tree": self.tree,
         }
 
     def init_own_lm_heads(self, lm_head: nn.Module) -> None:

@@ -56,7 +56,7 @@ class SelfSpeculative:
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
             the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
-            verified in one pass; None drafts a chain.
+            verified in one pass. Default: the heads' own tree if they carry one, else a chain.
     """
 
     def __init__(
@@ -79,6 +79,7 @@ class SelfSpeculative:
             if exit_layer is not None:
                 raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
             max_drafts = heads.num_heads
+            tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
             candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree is not None else None
             self.drafter = MedusaDrafter(self.adapter, heads, candidates)
         else:

@@ -69,7 +69,11 @@ def test_round_trip_gives_identical_weights_and_generations(tmp_path):
     heads = medusa_heads(model, num_heads=3, own_lm_head=True, seed=2)
     heads.save_pretrained(tmp_path / "medusa")
     spec = SelfSpeculative(model, heads=tmp_path / "medusa")
-    assert isinstance(spec.heads, MedusaHeads) and spec.num_draft_tokens == 3
+    assert isinstance(spec.heads, MedusaHeads) and spec.num_draft_tokens == 3 and spec.drafter.tree is None
+    heads.tree = [[0], [1], [0, 0]]
+    heads.save_pretrained(tmp_path / "medusa-tree")
+    with_tree = SelfSpeculative(model, heads=tmp_path / "medusa-tree")
+    assert with_tree.drafter.tree.paths == [(0,), (1,), (0, 0)]
     for name, tensor in heads.state_dict().items():
         assert torch.equal(spec.heads.state_dict()[name], tensor)
     prompt = random_prompt(7, seed=4)
