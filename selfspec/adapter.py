@@ -174,20 +174,22 @@ class ModelAdapter:
         view.layers = layers
         return view
 
-    def compact(self, cache: DynamicCache, num_new: int, keep: torch.Tensor) -> None:
-        """Of the last `num_new` positions of every layer (a verified tree), keep those at `keep` [k], in
-        that order; sliding layers then trim back to their window."""
+    @staticmethod
+    def rearrange(cache: DynamicCache, num_new: int, index) -> None:
+        """Rebuild every layer from its entries: `index(old)` gives, for a layer holding `old` earlier
+        positions and the `num_new` positions of the last pass, a [batch, length] gather index over them
+        (see `DecodeState.shifted_index`). Sliding layers then trim back to their window."""
         for layer in cache.layers:
             old = layer.keys.shape[-2] - num_new
-            layer.keys = torch.cat([layer.keys[..., :old, :], layer.keys[..., old:, :].index_select(-2, keep)], dim=-2)
-            layer.values = torch.cat(
-                [layer.values[..., :old, :], layer.values[..., old:, :].index_select(-2, keep)], dim=-2
-            )
+            rows = index(old)  # [batch, length]
+            gather = rows[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
             if layer.is_sliding:
-                layer.cumulative_length -= num_new - keep.shape[0]
+                layer.cumulative_length += rows.shape[1] - old - num_new
             layer.crop(0)
 
     def tree_attention_mask(self, cache: DynamicCache, start: int, tree, prompt_mask: torch.Tensor | None):
+        # prompt_mask: the 2D mask over the sequence indices before the root (None: nothing padded)
         """Float masks `[batch, 1, N+1, kv_length]` for verifying `tree` (a `CandidateTree`) whose root sits
         at sequence index `start`: every node sees the visible past and its own ancestors, within the
         window on sliding layers. One mask per attention type present, sized as that type's layers see

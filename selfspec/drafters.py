@@ -9,40 +9,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LogitsProcessorList
 
 from .adapter import ModelAdapter
-from .generation import process_scores
 from .heads import MedusaHeads
+from .state import DecodeState
 from .tree import CandidateTree
 
-
-@dataclass
-class DecodeState:
-    """The sequence being generated. `sequences[:, -1]` is the pending token: committed, not yet in the
-    cache. At the start of every iteration each cache layer holds the positions of `sequences[:, :-1]`."""
-
-    sequences: torch.Tensor  # [batch, T] long
-    cache: DynamicCache
-    pad_offset: torch.Tensor  # [batch] long: left-padding tokens per row (positions skip them)
-    prompt_mask: torch.Tensor | None  # [batch, prompt_len], only when the prompt is padded
-
-    @property
-    def length(self) -> int:
-        return self.sequences.shape[1]
-
-    def position_ids(self, start: int, count: int) -> torch.Tensor:
-        """Position ids [batch, count] of sequence indices start..start+count-1."""
-        index = torch.arange(start, start + count, device=self.sequences.device)[None, :]
-        # as model.generate numbers them: padding tokens get position 1 (they are masked anyway)
-        return torch.where(index < self.pad_offset[:, None], 1, index - self.pad_offset[:, None])
-
-    def attention_mask(self, end: int) -> torch.Tensor | None:
-        """2D mask over sequence indices 0..end-1, or None when nothing is padded."""
-        if self.prompt_mask is None:
-            return None
-        generated = end - self.prompt_mask.shape[1]
-        return torch.cat([self.prompt_mask, self.prompt_mask.new_ones(self.prompt_mask.shape[0], generated)], dim=1)
+# process(tokens [batch, G], logits [batch, P, V], offset) -> processed scores [batch, P, V] of the P
+# positions after the committed tokens and tokens[:, :offset + i]
+Processing = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -61,7 +36,7 @@ def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
 def draft_tokens(
     state: DecodeState,
     gamma: int,
-    processors: LogitsProcessorList,
+    process: Processing,
     do_sample: bool,
     next_logits: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> Draft:
@@ -70,8 +45,9 @@ def draft_tokens(
     Each position is processed with its own prefix, as the target's positions will be."""
     token, drafted, scores = state.sequences[:, -1:], [], []
     for i in range(gamma):
-        prefix = torch.cat([state.sequences, *drafted], dim=1)
-        score = process_scores(processors, prefix, prefix[:, :0], next_logits(i, token)[:, None])[:, 0]  # [batch, V]
+        logits = next_logits(i, token)[:, None]  # [batch, 1, V]
+        drafts = torch.cat(drafted, dim=1) if drafted else state.sequences[:, :0]
+        score = process(drafts, logits, i)[:, 0]  # [batch, V]
         token = pick(score, do_sample)[:, None]
         drafted.append(token)
         scores.append(score)
@@ -104,7 +80,7 @@ class EarlyExitDrafter:
             tokens, state.position_ids(start, count), state.cache, self.exit_layer, state.attention_mask(start + count)
         )
 
-    def draft(self, state: DecodeState, gamma: int, processors: LogitsProcessorList, do_sample: bool) -> Draft:
+    def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         start = state.length - 1  # index of the pending token
         self._hidden = []
 
@@ -113,7 +89,7 @@ class EarlyExitDrafter:
             self._hidden.append(hidden)
             return self.exit_logits(hidden[:, -1])
 
-        return draft_tokens(state, gamma, processors, do_sample, next_logits)
+        return draft_tokens(state, gamma, process, do_sample, next_logits)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Target logits [batch, G+1, V] for the pending token and the G drafts."""
@@ -135,6 +111,9 @@ class EarlyExitDrafter:
     def accept(self, num_accepted: torch.Tensor) -> None:
         """Nothing to carry over: the next draft starts from the pending token."""
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Nothing held per row between iterations."""
+
 
 class MedusaDrafter:
     """Medusa heads read the target's last hidden state (the one that gave the pending token) and propose
@@ -154,9 +133,9 @@ class MedusaDrafter:
         """The normed hidden state [batch, H] whose LM-head output gave the pending token."""
         self._hidden = hidden
 
-    def draft(self, state: DecodeState, gamma: int, processors: LogitsProcessorList, do_sample: bool) -> Draft:
+    def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         proposals = self.heads.logits(self._hidden, self.adapter)  # [batch, num_heads, V]
-        return draft_tokens(state, gamma, processors, do_sample, lambda i, token: proposals[:, i])
+        return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i])
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         start, gamma = state.length - 1, draft.tokens.shape[1]
@@ -176,7 +155,7 @@ class MedusaDrafter:
         start = state.length - 1
         tokens = torch.cat([state.sequences[:, -1:], node_tokens], dim=1)
         positions = state.position_ids(start, 1) + self.tree.depth[None, :]  # [batch, N+1]
-        mask = self.adapter.tree_attention_mask(state.cache, start, self.tree, state.prompt_mask)
+        mask = self.adapter.tree_attention_mask(state.cache, start, self.tree, state.attention_mask(start))
         logits, self._verified = self.adapter.forward_with_hidden(tokens, positions, state.cache, mask)
         return logits
 
@@ -186,3 +165,7 @@ class MedusaDrafter:
         gather = index[:, None, None].expand(-1, 1, self._verified.shape[-1])
         self.observe(self._verified.gather(1, gather).squeeze(1))
         self._verified = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the hidden states of the rows still generating."""
+        self._hidden = self._hidden[rows]

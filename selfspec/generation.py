@@ -75,6 +75,7 @@ class GenerationSetup:
     eos_token_ids: torch.Tensor | None  # [n] long on the model's device, or None
     pad_token_id: int | None
     processors: LogitsProcessorList
+    row_processors: list[LogitsProcessorList]  # batches: one list per row, built for that row alone
     stopping_criteria: StoppingCriteriaList  # user criteria, stop strings and max_time (length and EOS are built in)
     attention_mask: torch.Tensor | None
     streamer: object | None
@@ -122,15 +123,23 @@ def prepare_generation(
     attention_mask = call.get("attention_mask")
     model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
     config.max_length = prompt_length + max_new_tokens  # what processors such as forced_eos read
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_length,
-        encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=call.get("prefix_allowed_tokens_fn"),
-        logits_processor=call.get("logits_processor") or LogitsProcessorList(),
-        device=input_ids.device,
-        model_kwargs={"attention_mask": attention_mask},
-    )
+
+    def build_processors(rows: slice) -> LogitsProcessorList:
+        return model._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=prompt_length,
+            encoder_input_ids=input_ids[rows],
+            prefix_allowed_tokens_fn=call.get("prefix_allowed_tokens_fn"),
+            logits_processor=call.get("logits_processor") or LogitsProcessorList(),
+            device=input_ids.device,
+            model_kwargs={"attention_mask": attention_mask[rows] if attention_mask is not None else None},
+        )
+
+    processors = build_processors(slice(None))
+    # once rows of a batch have gained different numbers of tokens, each is processed on its own; some
+    # processors hold per-row state (the prompt padding of each row), so each row gets its own list
+    batch = input_ids.shape[0]
+    row_processors = [build_processors(slice(b, b + 1)) for b in range(batch)] if batch > 1 and processors else []
     criteria = StoppingCriteriaList(call.get("stopping_criteria") or [])
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(max_time=config.max_time))
@@ -147,6 +156,7 @@ def prepare_generation(
         eos_token_ids=None if eos is None else eos.reshape(-1).to(input_ids.device),
         pad_token_id=None if pad is None else int(pad),
         processors=processors,
+        row_processors=row_processors,
         stopping_criteria=criteria,
         attention_mask=attention_mask,
         streamer=call.get("streamer"),
@@ -154,20 +164,34 @@ def prepare_generation(
 
 
 def process_scores(
-    processors: LogitsProcessorList, prefix: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
+    processors: LogitsProcessorList | list[LogitsProcessorList],
+    prefix: torch.Tensor | list[torch.Tensor],
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    offset: int = 0,
 ) -> torch.Tensor:
     """Processed scores for consecutive positions.
 
-    prefix: [batch, T] committed tokens; tokens: [batch, G] drafted tokens that follow the prefix;
-    logits: [batch, P, V] raw logits for the P <= G+1 positions after prefix + tokens[:, :i], i = 0..P-1.
-    Returns float32 scores [batch, P, V], each position processed with its own input ids.
+    prefix: [batch, T] committed tokens, or one [1, T_b] tensor per row when rows differ in length
+    (then `processors` is one list per row);
+    tokens: [batch, G] drafted tokens that follow the prefix; logits: [batch, P, V] raw logits, position
+    i coming after prefix + tokens[:, :offset + i]. Returns float32 scores [batch, P, V], each position
+    processed with its own input ids, as `model.generate` would process it.
     """
     logits = logits.float()
     if len(processors) == 0:
         return logits
-    positions = [
-        processors(torch.cat([prefix, tokens[:, :i]], dim=1), logits[:, i].clone()) for i in range(logits.shape[1])
-    ]
+    if isinstance(prefix, torch.Tensor):
+        rows, slices, lists = [prefix], [slice(None)], [processors]
+    else:
+        rows, slices, lists = prefix, [slice(b, b + 1) for b in range(len(prefix))], processors
+    positions = []
+    for i in range(logits.shape[1]):
+        per_row = [
+            row_processors(torch.cat([row, tokens[part, : offset + i]], dim=1), logits[part, i].clone())
+            for row, part, row_processors in zip(rows, slices, lists, strict=True)
+        ]
+        positions.append(torch.cat(per_row, dim=0))
     return torch.stack(positions, dim=1)
 
 
@@ -175,7 +199,7 @@ def process_tree_scores(
     processors: LogitsProcessorList, prefix: torch.Tensor, node_tokens: torch.Tensor, logits: torch.Tensor, tree
 ) -> torch.Tensor:
     """Processed scores [batch, N+1, V] for the tree nodes, each with the tokens on its own path as input ids.
-    node_tokens: [batch, N]; logits: [batch, N+1, V] (node 0 is the root)."""
+    prefix: [batch, T]; node_tokens: [batch, N]; logits: [batch, N+1, V] (node 0 is the root)."""
     logits = logits.float()
     if len(processors) == 0:
         return logits

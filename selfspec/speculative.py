@@ -5,15 +5,23 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
-from .drafters import DecodeState, EarlyExitDrafter, MedusaDrafter, pick
-from .generation import GenerationSetup, prepare_generation, process_scores, process_tree_scores
+from .drafters import EarlyExitDrafter, MedusaDrafter, pick
+from .generation import (
+    GenerationSetup,
+    UnsupportedGenerationArgument,
+    prepare_generation,
+    process_scores,
+    process_tree_scores,
+)
 from .heads import DraftHeads, MedusaHeads, load_heads
+from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
 from .tree import CandidateTree
 from .verify import Verdict, accept_greedy, accept_sampling, accept_tree, acceptance_mass
@@ -24,20 +32,24 @@ DEFAULT_DRAFT_TOKENS = 4
 
 @dataclass
 class _Call:
-    """The working state of one `generate` call."""
+    """The working state of one `generate` call. Rows still generating are `state`'s rows; `rows[b]` is
+    the caller's index of active row b."""
 
     setup: GenerationSetup
     state: DecodeState
+    rows: list[int]
+    generated: list[int]  # new tokens per active row
+    watch: Stopwatch
+    alpha: torch.Tensor  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
     stats: GenerationStats = field(default_factory=GenerationStats)
-    watch: Stopwatch | None = None
-    alpha: torch.Tensor | None = None  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
-    pad_host: int = 0  # left-padding tokens of the prompt (batch 1)
-    scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens
-    logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens
+    done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
+    scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
+    logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
 
     @property
     def remaining(self) -> int:
-        return self.setup.max_new_tokens - self.stats.new_tokens
+        """New tokens the row closest to its budget may still take."""
+        return self.setup.max_new_tokens - max(self.generated)
 
 
 class SelfSpeculative:
@@ -128,19 +140,20 @@ class SelfSpeculative:
     # ------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """Generate as `model.generate` does, with the same arguments and the same return type."""
+        """Generate as `model.generate` does, with the same arguments and the same return type. A batch
+        of prompts is left-padded with an `attention_mask`, as `model.generate` takes it."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
             raise ValueError(
                 "The prompt must be a non-empty [batch, length] tensor of token ids; "
                 f"got shape {tuple(input_ids.shape)}."
             )
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"selfspec generates one sequence at a time for now; got a batch of {input_ids.shape[0]}.")
         input_ids = input_ids.to(self.adapter.device)
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
+        if input_ids.shape[0] > 1:
+            self._check_batch(setup)
         max_positions = self.adapter.max_positions
         if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
             raise ValueError(
@@ -149,7 +162,7 @@ class SelfSpeculative:
             )
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
-        finished = self._commit(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits)[1]
+        finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
         tree = getattr(self.drafter, "tree", None)
         while not finished:
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
@@ -164,34 +177,29 @@ class SelfSpeculative:
         return self._output(call)
 
     def speculative_step(self, call: _Call, gamma: int) -> bool:
-        """One iteration: draft gamma tokens, verify them in one full pass, accept, commit, crop the cache
-        of what was rejected. gamma = 0 is a plain decoding step. Returns True when generation is done."""
+        """One iteration: draft gamma tokens, verify them in one full pass, accept, commit, drop the cache
+        entries of what was rejected. gamma = 0 is a plain decoding step. Returns True when all rows are done."""
         state, setup = call.state, call.setup
-        start = state.length - 1  # sequence index of the pending token
+        start = state.length - 1  # sequence index of the pending tokens
         if gamma == 0:
             with call.watch.section("verify"):
                 logits = self._plain_pass(state, state.sequences[:, -1:], start)
-                scores = process_scores(setup.processors, state.sequences, state.sequences[:, :0], logits)
-                verdict = Verdict(
-                    state.sequences.new_zeros(state.sequences.shape[0]), pick(scores[:, 0], setup.do_sample)
-                )
                 drafts = state.sequences[:, :0]
+                scores = self._process(call, drafts, logits)
+                verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
         else:
             with call.watch.section("draft"):
-                draft = self.drafter.draft(state, gamma, setup.processors, setup.do_sample)
+                draft = self.drafter.draft(state, gamma, partial(self._process, call), setup.do_sample)
                 drafts = draft.tokens
             with call.watch.section("verify"):
                 logits = self.drafter.verify(state, draft)
-                scores = process_scores(setup.processors, state.sequences, drafts, logits)  # [batch, G+1, V]
+                scores = self._process(call, drafts, logits)  # [batch, G+1, V]
                 p, q = scores.softmax(dim=-1), draft.scores.softmax(dim=-1)
                 verdict = accept_sampling(p, q, drafts) if setup.do_sample else accept_greedy(scores, drafts)
                 self._record_alpha(call, p[:, :gamma], q, verdict.num_accepted)
             self.drafter.accept(verdict.num_accepted)
-        num_accepted, finished = self._commit_verdict(call, drafts, verdict, scores, logits)
-        if not finished:
-            # keep the pending token and the accepted drafts; drop the rejected drafts' positions
-            self.adapter.crop(state.cache, gamma - num_accepted)
-        return finished
+        kept = torch.arange(gamma + 1, device=drafts.device)[None, :].expand(state.batch_size, -1)
+        return self._advance(call, drafts, verdict.num_accepted, scores, logits, kept, verdict.next_token)
 
     def tree_step(self, call: _Call) -> bool:
         """One Medusa tree iteration: candidates from the heads' top-k, one verify pass with a tree mask,
@@ -205,38 +213,49 @@ class SelfSpeculative:
             scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
             p = scores.softmax(dim=-1)
             verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
-            path = torch.cat(
-                [verdict.last_node.new_zeros(verdict.last_node.shape[0], 1), tree.ancestors[verdict.last_node]], dim=1
-            )
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
+            root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
+            path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)
             path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
             along = path[..., None].expand(-1, -1, scores.shape[-1])
             path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
             q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
             self._record_alpha(call, path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self.drafter.accept(verdict.last_node)
-        num_accepted, finished = self._commit_verdict(call, path_tokens, verdict, path_scores, path_logits)
-        if not finished:
-            self.adapter.compact(state.cache, tree.num_nodes + 1, path[0, : num_accepted + 1])
-        return finished
+        return self._advance(
+            call,
+            path_tokens,
+            verdict.num_accepted,
+            path_scores,
+            path_logits,
+            path,
+            verdict.next_token,
+            num_new=tree.num_nodes + 1,
+            chain=False,
+        )
 
-    def _commit_verdict(self, call: _Call, drafts, verdict: Verdict, scores, logits) -> tuple[int, bool]:
-        """Commit the accepted drafts [batch, G] and the verdict's next token; count the iteration.
-        scores, logits: [batch, G+1, V] at the positions those tokens were drawn from."""
-        committed = torch.cat([drafts, verdict.next_token[:, None]], dim=1)
-        committed.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])  # [batch, G+1]
-        num_accepted, finished = self._commit(call, committed, verdict.num_accepted, scores, logits)
-        call.stats.record_iteration(drafts.shape[1], [num_accepted])
-        return num_accepted, finished
+    # -------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _process(call: _Call, tokens: torch.Tensor, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Processed scores [batch, P, V] of the positions after each row's tokens and tokens[:, :offset+i],
+        with the input ids `model.generate` would give the processors (see `process_scores`)."""
+        inputs = call.state.processor_inputs()
+        if isinstance(inputs, torch.Tensor) or not call.setup.row_processors:
+            return process_scores(call.setup.processors, inputs, tokens, logits, offset)
+        row_processors = [call.setup.row_processors[row] for row in call.rows]
+        return process_scores(row_processors, inputs, tokens, logits, offset)
 
     def _span_before_rope_switch(self, call: _Call) -> int:
-        """How many positions from the pending token on one pass may cover without crossing a longrope
+        """How many positions from the pending tokens on one pass may cover without crossing a longrope
         switch (plain decoding computes the positions before it with the short frequencies)."""
         switch = self.adapter.rope_switch
-        position = call.state.length - 1 - call.pad_host
-        if switch is None or position >= switch:
+        if switch is None:
             return call.remaining + 1
-        return switch - position
+        state = call.state
+        spans = [
+            switch - (state.length - 1 - pad) for pad in state.host_pad_offsets() if state.length - 1 - pad < switch
+        ]
+        return min(spans, default=call.remaining + 1)
 
     @staticmethod
     def _record_alpha(call: _Call, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -246,9 +265,18 @@ class SelfSpeculative:
         mass = acceptance_mass(p, q)
         call.alpha += torch.stack([(mass * tested).sum(), tested.sum()]).double()
 
-    # -------------------------------------------------------------------------------------- helpers
+    def _check_batch(self, setup: GenerationSetup) -> None:
+        if setup.streamer is not None:
+            raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
+        if setup.config.output_scores or setup.config.output_logits:
+            raise UnsupportedGenerationArgument(
+                "`output_scores` / `output_logits` are supported for one prompt at a time."
+            )
+        if getattr(self.drafter, "tree", None) is not None:
+            raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
+
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
-        """One full pass over the prompt. Returns the call state, the first generated token [batch, 1]
+        """One full pass over the prompts. Returns the call state, the first generated token [batch, 1]
         (drawn from that pass, not committed yet), its processed scores and its logits."""
         mask = setup.attention_mask
         padded = mask is not None and bool((mask == 0).any())
@@ -259,9 +287,24 @@ class SelfSpeculative:
             pad_offset = (mask == 0).long().sum(dim=1)
         else:
             pad_offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        state = DecodeState(input_ids, self.adapter.new_cache(), pad_offset, mask if padded else None)
-        call = _Call(setup, state, watch=Stopwatch(self.adapter.device), pad_host=int(pad_offset[0]))
-        call.alpha = torch.zeros(2, device=input_ids.device, dtype=torch.float64)
+        batch = input_ids.shape[0]
+        state = DecodeState(
+            input_ids,
+            self.adapter.new_cache(),
+            pad_offset,
+            mask if padded else None,
+            added_pad=[0] * batch,
+            prompt_pad=pad_offset.tolist(),
+            pad_token_id=setup.pad_token_id or 0,
+        )
+        call = _Call(
+            setup,
+            state,
+            rows=list(range(batch)),
+            generated=[0] * batch,
+            watch=Stopwatch(self.adapter.device),
+            alpha=torch.zeros(2, device=input_ids.device, dtype=torch.float64),
+        )
         if setup.streamer is not None:
             setup.streamer.put(input_ids.cpu())
         with call.watch.section("prefill"):
@@ -269,6 +312,7 @@ class SelfSpeculative:
             scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
             token = pick(scores[:, 0], setup.do_sample)[:, None]
         call.stats.target_passes += 1
+        call.stats.row_passes += batch
         return call, token, scores, logits
 
     def _plain_pass(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -282,47 +326,88 @@ class SelfSpeculative:
         self.drafter.observe(hidden[:, -1])
         return logits
 
-    def _commit(self, call: _Call, committed, num_accepted, scores, logits) -> tuple[int, bool]:
-        """Append `committed[:, :num_accepted+1]` [batch, G+1] up to the first EOS, the token budget and the
-        first stopping criterion. Holds the iteration's one host synchronisation. Returns the accepted
-        count and whether generation is done."""
-        setup, state, stats = call.setup, call.state, call.stats
-        width = committed.shape[1]
+    def _advance(
+        self, call: _Call, drafts, num_accepted, scores, logits, kept, next_token=None, num_new=None, chain=True
+    ) -> bool:
+        """Commit each row's accepted drafts (drafts [batch, G]; num_accepted [batch]) and the token after
+        them, then bring the cache along: of the positions the pass wrote, `kept[b]` [batch, G+1] lists row
+        b's pending token and accepted drafts in order, among the `num_new` positions the pass wrote
+        (default G+1; None after the prefill, which wrote the prompt only; `chain`: they are the first
+        ones). Rows that finished leave the batch. Returns True when no row is left."""
+        if next_token is None:  # the prefill: the first token is all there is
+            committed = drafts
+        else:
+            committed = torch.cat([drafts, next_token[:, None]], dim=1)
+            committed.scatter_(1, num_accepted[:, None], next_token[:, None])  # [batch, G+1]
+        accepted, counts, finished = self._commit(call, committed, num_accepted, scores, logits)
+        if next_token is not None:
+            call.stats.record_iteration(drafts.shape[1], accepted)
+        if all(finished):
+            return True
+        state = call.state
+        if kept is not None:
+            num_new, width = num_new or kept.shape[1], max(counts)
+            if chain and all(count == width for count in counts):
+                self.adapter.crop(state.cache, num_new - width)  # rows agree and kept a prefix: a view, no copy
+            else:
+                shift = torch.tensor([width - count for count in counts], device=kept.device)
+                self.adapter.rearrange(
+                    state.cache, num_new, lambda old: DecodeState.shifted_index(old, width, shift, kept)
+                )
+        if any(finished):
+            active = [b for b, done in enumerate(finished) if not done]
+            rows = torch.tensor(active, device=state.sequences.device)
+            state.select_rows(rows)
+            self.drafter.select_rows(rows)
+            call.rows = [call.rows[b] for b in active]
+            call.generated = [call.generated[b] for b in active]
+        return False
+
+    def _commit(self, call: _Call, committed, num_accepted, scores, logits):
+        """Append to each row `committed[b, :num_accepted[b] + 1]` ([batch, W]), cut at its first EOS, its
+        token budget and its first stopping criterion. Holds the iteration's one host synchronisation.
+        Returns per row: the accepted drafts, the tokens appended, and whether the row is done."""
+        setup, state = call.setup, call.state
         count = num_accepted + 1
         eos_hit = torch.zeros_like(count)
         if setup.eos_token_ids is not None:
-            in_reach = torch.arange(width, device=committed.device)[None, :] < count[:, None]
+            in_reach = torch.arange(committed.shape[1], device=committed.device)[None, :] < count[:, None]
             is_eos = torch.isin(committed, setup.eos_token_ids) & in_reach
             eos_hit = is_eos.any(dim=1).long()
             count = torch.where(eos_hit.bool(), is_eos.long().argmax(dim=1) + 1, count)
-        accepted_host, count_host, eos_host = torch.stack([num_accepted, count, eos_hit]).squeeze(1).tolist()
-        kept = min(count_host, call.remaining)
-        state.sequences = torch.cat([state.sequences, committed[:, :kept]], dim=1)
-        stop_at = self._stopping_point(state, setup, kept, scores)
-        if stop_at is not None:
-            state.sequences = state.sequences[:, : state.length - (kept - stop_at)]
-            kept = stop_at
+        accepted, counts, eos_hits = torch.stack([num_accepted, count, eos_hit]).tolist()  # [3, batch] -> lists
+        kept, finished = [], []
+        for row, (count_b, eos_b) in enumerate(zip(counts, eos_hits, strict=True)):
+            budget = setup.max_new_tokens - call.generated[row]
+            keep = min(count_b, budget)
+            stop = self._stopping_point(setup, state, row, committed[row, :keep], scores[row])
+            keep = stop or keep
+            kept.append(keep)
+            finished.append(stop is not None or (bool(eos_b) and keep == count_b) or keep == budget)
+            call.generated[row] += keep
+        state.append(committed, kept)
         if setup.config.output_scores:
-            call.scores.extend(scores[:, i].clone() for i in range(kept))
+            call.scores.extend(scores[:, i].clone() for i in range(kept[0]))
         if setup.config.output_logits:
-            call.logits.extend(logits[:, i].float().clone() for i in range(kept))
-        stats.new_tokens += kept
+            call.logits.extend(logits[:, i].float().clone() for i in range(kept[0]))
         if setup.streamer is not None:
-            setup.streamer.put(state.sequences[0, -kept:].cpu())
-        eos_committed = bool(eos_host) and kept == count_host
-        finished = stop_at is not None or eos_committed or call.remaining == 0
-        return accepted_host, finished
+            setup.streamer.put(committed[0, : kept[0]].cpu())
+        call.stats.new_tokens += sum(kept)
+        for row, done in enumerate(finished):
+            if done:  # the row as the caller gave it (its own padding) and what it generated
+                call.done[call.rows[row]] = state.sequences[row, state.added_pad[row] :]
+        return accepted, kept, finished
 
     @staticmethod
-    def _stopping_point(state: DecodeState, setup: GenerationSetup, count: int, scores) -> int | None:
-        """How many of the last `count` tokens to keep when a stopping criterion fires among them, else None.
-        scores: [batch, >= count, V] the processed scores each of those tokens was drawn from."""
+    def _stopping_point(setup: GenerationSetup, state: DecodeState, row: int, new, scores) -> int | None:
+        """How many of the tokens `new` [n] appended to `row` to keep when a stopping criterion fires among
+        them, else None. scores: [>= n, V] the processed scores each of those tokens was drawn from."""
         if len(setup.stopping_criteria) == 0:
             return None
-        length = state.length
+        prefix = state.sequences[row : row + 1, state.added_pad[row] :]
         flags = [
-            setup.stopping_criteria(state.sequences[:, : length - count + j + 1], scores[:, j]).reshape(-1).any()
-            for j in range(count)
+            setup.stopping_criteria(torch.cat([prefix, new[None, : j + 1]], dim=1), scores[j : j + 1]).reshape(-1).any()
+            for j in range(new.shape[0])
         ]
         hits = torch.stack(flags).tolist()
         return hits.index(True) + 1 if True in hits else None
@@ -340,11 +425,17 @@ class SelfSpeculative:
 
     @staticmethod
     def _output(call: _Call):
+        """What `model.generate` returns: the rows in the caller's order, those that finished early padded
+        on the right with the pad token."""
+        rows = [call.done[row] for row in range(len(call.done))]
+        length = max(row.shape[0] for row in rows)
+        pad = call.state.pad_token_id
+        sequences = torch.stack([torch.nn.functional.pad(row, (0, length - row.shape[0]), value=pad) for row in rows])
         config = call.setup.config
         if not config.return_dict_in_generate:
-            return call.state.sequences
+            return sequences
         return GenerateDecoderOnlyOutput(
-            sequences=call.state.sequences,
+            sequences=sequences,
             scores=tuple(call.scores) if config.output_scores else None,
             logits=tuple(call.logits) if config.output_logits else None,
         )

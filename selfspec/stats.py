@@ -16,6 +16,7 @@ class GenerationStats:
     new_tokens: int = 0  # tokens generated (all rows)
     target_passes: int = 0  # full-model passes: the prefill, then one verify (or plain step) per iteration
     iterations: int = 0  # draft-verify iterations after the prefill
+    row_passes: int = 0  # passes summed over the rows they served (= target_passes for one prompt)
     proposed: int = 0  # drafted tokens put to the verifier
     accepted: int = 0  # drafted tokens the verifier kept
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i+1
@@ -32,8 +33,8 @@ class GenerationStats:
 
     @property
     def tokens_per_pass(self) -> float:
-        """Mean tokens committed per full-model pass (1.0 for plain decoding)."""
-        return self.new_tokens / self.target_passes if self.target_passes else float("nan")
+        """Mean tokens a row gains per full-model pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.row_passes if self.row_passes else float("nan")
 
     @property
     def tokens_per_second(self) -> float:
@@ -50,6 +51,7 @@ class GenerationStats:
         """Count one verification of `gamma` drafts per row, with each row's accepted count."""
         self.iterations += 1
         self.target_passes += 1
+        self.row_passes += len(num_accepted)
         if gamma == 0:
             return
         grow = gamma - len(self.proposed_per_position)

@@ -162,8 +162,6 @@ def test_bad_prompts_raise(model):
         spec.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=5)
     with pytest.raises(ValueError, match="maximum of 512 positions"):
         spec.generate(random_prompt(10), max_new_tokens=600)
-    with pytest.raises(ValueError, match="batch of 2"):
-        spec.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=5)
 
 
 def test_stats_describe_the_call(model):
@@ -180,6 +178,7 @@ def test_stats_describe_the_call(model):
     # every committed token came from a verify pass: accepted drafts plus one per pass
     assert stats.new_tokens == stats.accepted + stats.target_passes
     assert stats.draft_seconds > 0 and stats.verify_seconds > 0
+    assert stats.row_passes == stats.target_passes  # one prompt
     assert stats.tokens_per_pass == stats.new_tokens / stats.target_passes
 
 

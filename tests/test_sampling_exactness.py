@@ -141,6 +141,26 @@ def test_a_lossy_tree_rule_fails_the_same_test(model, monkeypatch):
     assert pvalue < 1e-6, f"the lossy rule went unnoticed (chi-square p = {pvalue:.2e})"
 
 
+def test_batched_sampling_is_distributed_as_the_target_per_row(model):
+    """Ten rows at once: every row is a sample of the target's law, although rows accept different
+    numbers of drafts per iteration (and are re-aligned). Two masked padding slots lead every row; the
+    odd rows hold arbitrary ids there, which the mask must hide."""
+    rows = 10
+    padded = torch.cat([torch.zeros(rows, 2, dtype=torch.long), PROMPT.expand(rows, -1)], dim=1)
+    padded[1::2, :2] = torch.tensor([3, 2])
+    mask = torch.ones_like(padded)
+    mask[:, :2] = 0
+    spec = early_exit(model, 2)
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
+    for _ in range(SAMPLES // rows):
+        out = spec.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2, do_sample=True, top_k=3)
+        for t1, t2, t3 in out[:, padded.shape[1] : padded.shape[1] + NEW_TOKENS].tolist():
+            counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    pvalue = chi_square_pvalue(counts, exact_law(model, top_k=3))
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
 def test_a_broken_rule_fails_the_same_test(model, monkeypatch):
     monkeypatch.setattr(verify, "residual_distribution", lambda p_at, q_at: p_at)
     law = exact_law(model)

@@ -1,0 +1,92 @@
+"""Batches of prompts of different lengths (left-padded, with an attention mask): exact per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_medusa import medusa_heads
+from tiny_models import ARCHITECTURES, random_prompt, tiny_model
+
+from selfspec import SelfSpeculative, UnsupportedGenerationArgument
+
+PAD = 0
+
+
+def padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts [batch, max length] and their attention mask."""
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = random_prompt(length, seed=seed + row)[0]
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def assert_rows_exact(model, spec, lengths, seed=0, **kwargs):
+    ids, mask = padded_batch(lengths, seed)
+    kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=PAD, **kwargs)
+    expected = model.generate(ids, attention_mask=mask, **kwargs)
+    actual = spec.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(actual, expected), f"{model.config.model_type} {lengths}"
+    for row, length in enumerate(lengths):  # and each row as if generated alone
+        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], **kwargs)[0]
+        generated = actual[row, ids.shape[1] :]
+        assert torch.equal(generated[: alone.shape[0] - length], alone[length:])
+        assert bool((generated[alone.shape[0] - length :] == PAD).all())  # finished early: padded
+    return spec.stats
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request):
+    return tiny_model(request.param)
+
+
+BATCHES = [[3, 9], [1, 14, 6, 6], [5, 2, 11, 1, 8, 3, 7, 4]]  # batch sizes 2, 4 and 8
+
+
+def test_batched_greedy_matches_generate_per_row(model):
+    for lengths, gamma in zip(BATCHES, (2, 4, 3), strict=True):
+        stats = assert_rows_exact(model, SelfSpeculative(model, exit_layer=2, num_draft_tokens=gamma), lengths)
+        assert stats.new_tokens == 30 * len(lengths)
+        # every token a row gained was an accepted draft or the one token of a pass that served the row
+        assert stats.new_tokens == stats.accepted + stats.row_passes
+
+
+def test_rows_finish_at_different_steps(model):
+    ids, mask = padded_batch(BATCHES[1], seed=5)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    # an EOS id that row 0 produces early; other rows stop elsewhere or run to the budget
+    eos = int(free[0, ids.shape[1] + 4])
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=4)
+    stats = assert_rows_exact(model, spec, BATCHES[1], seed=5, eos_token_id=eos)
+    assert stats.new_tokens < 30 * len(BATCHES[1])
+
+
+def test_batched_medusa_chain(model):
+    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=3), num_draft_tokens=3)
+    assert_rows_exact(model, spec, BATCHES[1], seed=9)
+
+
+def test_batch_with_processors_sees_each_row_as_generate_does():
+    model = tiny_model("llama", seed=2)
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=4)
+    assert_rows_exact(model, spec, BATCHES[2], seed=3, repetition_penalty=1.4, no_repeat_ngram_size=3)
+
+
+def test_batch_limits_are_explicit():
+    model = tiny_model("llama")
+    ids, mask = padded_batch([3, 5])
+    tree_spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2), tree=[[0], [0, 0]])
+    with pytest.raises(UnsupportedGenerationArgument, match="one prompt at a time"):
+        tree_spec.generate(ids, attention_mask=mask, max_new_tokens=5)
+
+    class Collect:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    with pytest.raises(UnsupportedGenerationArgument, match="streamer"):
+        SelfSpeculative(model).generate(ids, attention_mask=mask, max_new_tokens=5, streamer=Collect())
