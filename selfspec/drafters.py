@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .heads import MedusaHeads
+from .heads import DraftHeads, MedusaHeads
 from .state import DecodeState
 from .tree import CandidateTree
+
+MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
 
 # process(tokens [batch, G], logits [batch, P, V], offset) -> processed scores [batch, P, V] of the P
 # positions after the committed tokens and tokens[:, :offset + i]
@@ -169,3 +171,28 @@ class MedusaDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the hidden states of the rows still generating."""
         self._hidden = self._hidden[rows]
+
+
+def build_drafter(adapter: ModelAdapter, heads: DraftHeads | None, exit_layer: int | None, tree: list | None):
+    """The drafter for these heads (None: the untrained exit), the exit layer it uses (None for Medusa)
+    and the most drafts it can propose per iteration. Raises ValueError on settings that do not fit."""
+    if isinstance(heads, MedusaHeads):
+        if exit_layer is not None:
+            raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
+        tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
+        candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree is not None else None
+        return MedusaDrafter(adapter, heads, candidates), None, heads.num_heads
+    if tree is not None:
+        raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
+    num_layers = adapter.num_layers
+    if num_layers < 2:
+        raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
+    if exit_layer is None:
+        exit_layer = heads.default_exit_layer if heads is not None else max(1, num_layers // 4)
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
+        raise ValueError(
+            f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so "
+            f"exit_layer must be an integer from 1 to {num_layers - 1}."
+        )
+    head = heads.head_for(exit_layer) if heads is not None else None
+    return EarlyExitDrafter(adapter, exit_layer, head), exit_layer, MAX_DRAFT_TOKENS

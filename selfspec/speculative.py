@@ -12,7 +12,7 @@ from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
-from .drafters import EarlyExitDrafter, MedusaDrafter, pick
+from .drafters import build_drafter, pick
 from .generation import (
     GenerationSetup,
     UnsupportedGenerationArgument,
@@ -23,10 +23,8 @@ from .generation import (
 from .heads import DraftHeads, MedusaHeads, load_heads
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
-from .tree import CandidateTree
 from .verify import Verdict, accept_greedy, accept_sampling, accept_tree, acceptance_mass
 
-MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
 DEFAULT_DRAFT_TOKENS = 4
 
 
@@ -81,33 +79,12 @@ class SelfSpeculative:
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
-        num_layers = self.adapter.num_layers
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
-        if isinstance(heads, MedusaHeads):
-            if exit_layer is not None:
-                raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
-            max_drafts = heads.num_heads
-            tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
-            candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree is not None else None
-            self.drafter = MedusaDrafter(self.adapter, heads, candidates)
-        else:
-            if tree is not None:
-                raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
-            if num_layers < 2:
-                raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
-            if exit_layer is None:
-                exit_layer = heads.default_exit_layer if heads is not None else max(1, num_layers // 4)
-            if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
-                raise ValueError(
-                    f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so "
-                    f"exit_layer must be an integer from 1 to {num_layers - 1}."
-                )
-            max_drafts = MAX_DRAFT_TOKENS
-            self.drafter = EarlyExitDrafter(self.adapter, exit_layer, heads.head_for(exit_layer) if heads else None)
+        self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree)
         if num_draft_tokens is None:
             default = heads.num_heads if isinstance(heads, MedusaHeads) else DEFAULT_DRAFT_TOKENS
             num_draft_tokens = min((heads.num_draft_tokens if heads is not None else None) or default, max_drafts)
