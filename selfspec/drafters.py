@@ -70,6 +70,14 @@ class EarlyExitDrafter:
         self.head = head
         self._hidden: list[torch.Tensor] = []
 
+    def estimated_cost(self) -> float:
+        """c from the weights a draft token reads (the memory-bound regime): layers 0..k-1, the exit head
+        and the LM head, over all layers and the LM head."""
+        layers = [sum(p.numel() for p in layer.parameters()) for layer in self.adapter.layers]
+        head = sum(p.numel() for p in self.adapter.lm_head.parameters())
+        extra = sum(p.numel() for p in self.head.parameters()) if self.head is not None else 0
+        return (sum(layers[: self.exit_layer]) + extra + head) / (sum(layers) + head)
+
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             hidden = self.head(hidden)
@@ -130,6 +138,14 @@ class MedusaDrafter:
         self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
         self._verified: torch.Tensor | None = None  # [batch, G+1, H]
+
+    def estimated_cost(self) -> float:
+        """c from the weights: one head's blocks (and its own LM head) per draft token; the shared LM head
+        is counted too, since each head's proposal goes through it."""
+        layers = sum(p.numel() for p in self.adapter.layers.parameters())
+        head = sum(p.numel() for p in self.adapter.lm_head.parameters())
+        per_head = sum(p.numel() for p in self.heads.parameters()) / self.heads.num_heads
+        return (per_head + (0 if self.heads.own_lm_head else head)) / (layers + head)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The normed hidden state [batch, H] whose LM-head output gave the pending token."""

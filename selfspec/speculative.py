@@ -12,6 +12,7 @@ from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
+from .adaptive import DraftController
 from .drafters import build_drafter, pick
 from .generation import (
     GenerationSetup,
@@ -40,6 +41,7 @@ class _Call:
     watch: Stopwatch
     alpha: torch.Tensor  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
     stats: GenerationStats = field(default_factory=GenerationStats)
+    controller: DraftController | None = None  # chooses gamma when drafting adapts
     done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
@@ -62,11 +64,17 @@ class SelfSpeculative:
         model: the loaded causal LM (Llama, Qwen2, Mistral, Phi3, Gemma, Gemma2, GPT-2, GPT-NeoX families).
         exit_layer: draft with layers 0..exit_layer-1 (1 <= exit_layer < num_hidden_layers). Default: the
             heads' first trained depth, else a quarter of the depth.
-        num_draft_tokens: drafts per iteration (gamma). Default: the heads' setting, else 4.
+        num_draft_tokens: drafts per iteration (gamma); with `adaptive`, the most per iteration. Default:
+            the heads' setting, else 4.
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
             the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
             verified in one pass. Default: the heads' own tree if they carry one, else a chain.
+        adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
+            down to plain decoding when drafting does not pay (see `selfspec.adaptive`). Default: on when
+            `num_draft_tokens` is not given. Chains only; output is exact either way.
+        draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.
+            Default: estimated from the weights each draft token reads.
     """
 
     def __init__(
@@ -76,6 +84,8 @@ class SelfSpeculative:
         num_draft_tokens: int | None = None,
         heads: str | os.PathLike | DraftHeads | None = None,
         tree: list[list[int]] | None = None,
+        adaptive: bool | None = None,
+        draft_cost: float | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -85,6 +95,10 @@ class SelfSpeculative:
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
         self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree)
+        self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
+        self.draft_cost = self.drafter.estimated_cost() if draft_cost is None else draft_cost
+        if not self.draft_cost >= 0:
+            raise ValueError(f"draft_cost={draft_cost!r} must be a non-negative number (draft token / plain step).")
         if num_draft_tokens is None:
             default = heads.num_heads if isinstance(heads, MedusaHeads) else DEFAULT_DRAFT_TOKENS
             num_draft_tokens = min((heads.num_draft_tokens if heads is not None else None) or default, max_drafts)
@@ -141,11 +155,15 @@ class SelfSpeculative:
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
         tree = getattr(self.drafter, "tree", None)
+        if self.adaptive and tree is None:
+            call.controller = DraftController(self.num_draft_tokens, self.draft_cost)
         while not finished:
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
             # a tree's deepest node sits `depth` positions after the pending token
             if tree is not None and span >= tree.max_depth + 1:
                 finished = self.tree_step(call)
+            elif call.controller is not None:
+                finished = self.speculative_step(call, call.controller.choose(span - 1))
             else:  # no tree, or no room for it: a chain of at most span - 1 drafts
                 finished = self.speculative_step(call, min(self.num_draft_tokens, span - 1))
         if setup.streamer is not None:
@@ -319,6 +337,8 @@ class SelfSpeculative:
         accepted, counts, finished = self._commit(call, committed, num_accepted, scores, logits)
         if next_token is not None:
             call.stats.record_iteration(drafts.shape[1], accepted)
+            if call.controller is not None:
+                call.controller.update(drafts.shape[1], accepted)
         if all(finished):
             return True
         state = call.state

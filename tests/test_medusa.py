@@ -101,8 +101,9 @@ class FutureOracle(BaseStreamer):
     reference continuation, at rank 0 or 1 depending on the position, or not at all every fifth one, so
     that deep paths, sibling branches and rejections all happen."""
 
-    def __init__(self, continuation: list[int], vocab_size: int):
+    def __init__(self, continuation: list[int], vocab_size: int, perfect: bool = False):
         self.continuation, self.vocab_size, self.committed = continuation, vocab_size, -1
+        self.perfect = perfect  # always the right token at rank 0: an ideal draft
 
     def put(self, value):
         # the first call carries the prompt; later ones the committed tokens, the pending one included
@@ -117,11 +118,12 @@ class FutureOracle(BaseStreamer):
         proposals = torch.randn(1, num_heads, self.vocab_size, generator=generator)
         for head in range(num_heads):
             index = self.committed + head  # the token after the pending one, then further
-            if index >= len(self.continuation) or index % 5 == 4:
+            if index >= len(self.continuation) or (index % 5 == 4 and not self.perfect):
                 continue
             token = self.continuation[index]
             top = proposals[0, head].max()
-            proposals[0, head, token] = top + 1 if index % 3 else top - 1e-3  # rank 0, or rank 1 (or lower)
+            # rank 0, or rank 1 (or lower)
+            proposals[0, head, token] = top + 1 if index % 3 or self.perfect else top - 1e-3
         return proposals.to(hidden.device)
 
 

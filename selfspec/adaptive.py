@@ -1,0 +1,65 @@
+"""Choosing gamma at run time from the speedup equation, so that a bad draft cannot slow generation down.
+
+With acceptance rate alpha, draft cost c (one draft token over one plain decoding step) and verify cost
+v (one pass over gamma+1 positions over one plain step), an iteration of gamma drafts gains
+E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens for v + gamma c steps' worth of time, so the speedup over
+plain decoding is S(gamma) = E / (v + gamma c) (DESIGN.md section 1), and S(0) = 1. The controller keeps
+a running estimate of alpha from the acceptances it sees (recent iterations weigh most), drafts the
+gamma with the largest predicted S, falls back to plain steps (gamma = 0) when no gamma beats 1, and
+probes with one draft now and then so that it notices when acceptance recovers.
+
+Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) (v + gamma c)); S(0) = 1 (a plain step)."""
+    if gamma == 0:
+        return 1.0
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (verify_cost + gamma * draft_cost)
+
+
+@dataclass
+class DraftController:
+    """Picks gamma for each iteration; `update` feeds it what the verifier accepted."""
+
+    max_drafts: int
+    draft_cost: float  # c
+    verify_cost: float = 1.0  # v
+    decay: float = 0.9  # weight of the past per iteration: about the last ten iterations count
+    prior_alpha: float = 0.5  # what alpha is taken to be before any evidence ...
+    prior_weight: float = 2.0  # ... worth this many tested positions
+    probe_every: int = 8  # plain steps between single-draft probes while speculation does not pay
+    _accepted: float = field(default=0.0, init=False)
+    _tested: float = field(default=0.0, init=False)
+    _plain_steps: int = field(default=0, init=False)
+
+    @property
+    def alpha(self) -> float:
+        return (self._accepted + self.prior_alpha * self.prior_weight) / (self._tested + self.prior_weight)
+
+    def choose(self, limit: int) -> int:
+        """gamma for the next iteration, at most `limit` (what the token budget allows)."""
+        if limit <= 0:
+            return 0
+        alpha = self.alpha
+        candidates = range(min(self.max_drafts, limit) + 1)
+        best = max(candidates, key=lambda g: predicted_speedup(alpha, g, self.draft_cost, self.verify_cost))
+        if best > 0:
+            self._plain_steps = 0
+            return best
+        self._plain_steps += 1
+        return 1 if self._plain_steps % self.probe_every == 0 else 0  # a probe keeps alpha up to date
+
+    def update(self, gamma: int, num_accepted: list[int]) -> None:
+        """Record an iteration of `gamma` drafts in which row b kept `num_accepted[b]` of them."""
+        if gamma == 0:
+            return
+        self._accepted = self.decay * self._accepted + sum(num_accepted)
+        # the rule tests positions 1..n+1 (all gamma when every draft is accepted)
+        self._tested = self.decay * self._tested + sum(min(n + 1, gamma) for n in num_accepted)

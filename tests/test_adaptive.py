@@ -1,0 +1,71 @@
+"""Adaptive drafting: gamma from the speedup equation, plain decoding when drafting does not pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_medusa import FutureOracle, medusa_heads
+from tiny_models import random_prompt, tiny_model
+
+from selfspec import SelfSpeculative
+from selfspec.adaptive import DraftController, predicted_speedup
+
+
+def test_predicted_speedup_is_the_design_equation():
+    # alpha 0.6, gamma 3, c 0.1, v 1.2: E = (1 - 0.6^4) / 0.4 = 2.176; cost = 1.2 + 0.3
+    assert predicted_speedup(0.6, 3, 0.1, 1.2) == pytest.approx(2.176 / 1.5)
+    assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2.0)  # every draft accepted
+    assert predicted_speedup(0.0, 2, 0.0) == pytest.approx(1.0)  # free drafts, none accepted: break even
+    assert predicted_speedup(0.0, 2, 0.1) < 1.0 and predicted_speedup(0.3, 0, 0.5) == 1.0
+
+
+def test_controller_falls_back_probes_and_recovers():
+    controller = DraftController(max_drafts=6, draft_cost=0.2)
+    for _ in range(30):  # nothing is ever accepted
+        controller.update(controller.choose(10) or 1, [0])
+    choices = [controller.choose(10) for _ in range(16)]
+    assert choices.count(0) == 14 and choices.count(1) == 2  # plain steps, a probe every eighth
+    for _ in range(40):  # acceptance recovers on the probes and after
+        gamma = max(controller.choose(10), 1)
+        controller.update(gamma, [gamma])
+    assert controller.choose(10) == 6 and controller.choose(3) == 3  # the budget caps gamma
+
+
+def test_bad_draft_falls_back_to_plain_decoding_and_stays_exact():
+    model = tiny_model("llama", num_layers=8)
+    prompt = random_prompt(10)
+    expected = model.generate(prompt, max_new_tokens=100, do_sample=False)
+    fixed = SelfSpeculative(model, exit_layer=1, num_draft_tokens=4)
+    adaptive = SelfSpeculative(model, exit_layer=1)  # num_draft_tokens not given: adaptive
+    assert adaptive.adaptive and not fixed.adaptive
+    for spec in (fixed, adaptive):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=100, do_sample=False), expected)
+    assert fixed.stats.alpha_hat < 0.1  # a bad draft
+    assert adaptive.stats.proposed < fixed.stats.proposed / 10
+
+
+def test_good_draft_drafts_the_most():
+    model = tiny_model("qwen2")
+    prompt = random_prompt(9, seed=2)
+    expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
+    oracle = FutureOracle(expected[0, 9:].tolist(), model.config.vocab_size, perfect=True)
+    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), adaptive=True)
+    spec.heads.logits = oracle.logits
+    assert torch.equal(spec.generate(prompt, max_new_tokens=60, do_sample=False, streamer=oracle), expected)
+    stats = spec.stats
+    assert stats.proposed_per_position[3] >= stats.iterations // 2  # four drafts in most iterations
+
+
+def test_adaptive_sampling_is_reproducible():
+    model = tiny_model("gemma", seed=3)
+    spec = SelfSpeculative(model, exit_layer=2)
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outputs.append(spec.generate(random_prompt(5), max_new_tokens=40, do_sample=True))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_draft_cost_is_checked():
+    with pytest.raises(ValueError, match="draft_cost"):
+        SelfSpeculative(tiny_model("llama"), draft_cost=-1.0)
