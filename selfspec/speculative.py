@@ -257,8 +257,8 @@ class SelfSpeculative:
         """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
         p, q: [batch, G, V]."""
         tested = torch.arange(q.shape[1], device=q.device)[None, :] <= num_accepted[:, None]  # [batch, G]
-        mass = acceptance_mass(p, q)
-        call.alpha += torch.stack([(mass * tested).sum(), tested.sum()]).double()
+        mass = torch.where(tested, acceptance_mass(p, q), 0)  # untested positions may hold NaN
+        call.alpha += torch.stack([mass.sum(), tested.sum()]).double()
 
     def _check_batch(self, setup: GenerationSetup) -> None:
         if setup.streamer is not None:

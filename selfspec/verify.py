@@ -55,6 +55,7 @@ def accept_sampling(
 ) -> Verdict:
     """Speculative sampling. p: [batch, G+1, V] target probabilities; q: [batch, G, V] draft
     probabilities the drafts were sampled from; draft_tokens: [batch, G]."""
+    p, q = p.float(), q.float()  # u and the test need float32 resolution: low-precision uniforms are biased
     batch, gamma = draft_tokens.shape
     p_draft = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, G]
     q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, G], > 0: x_i was drawn from q_i
@@ -78,6 +79,10 @@ def tree_choices(p: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """The target's token at every tree node: a draw from p_v, or its argmax. p: [batch, N+1, V]."""
     if not do_sample:
         return p.argmax(dim=-1)
+    # a node whose token the target rules out at its parent is never reached, and processors may leave
+    # its prefix no allowed token (NaN after softmax): any valid row will do there
+    valid = (torch.isfinite(p) & (p >= 0)).all(dim=-1, keepdim=True) & (p.sum(dim=-1, keepdim=True) > 0)
+    p = torch.where(valid, p, torch.ones_like(p))
     return torch.multinomial(p.reshape(-1, p.shape[-1]), 1).reshape(p.shape[:-1])
 
 
