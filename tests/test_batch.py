@@ -5,26 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from test_medusa import medusa_heads
-from tiny_models import ARCHITECTURES, random_prompt, tiny_model
+from tiny_models import ARCHITECTURES, padded_prompts, tiny_model
 
 from selfspec import SelfSpeculative, UnsupportedGenerationArgument
 
 PAD = 0
 
 
-def padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts [batch, max length] and their attention mask."""
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = random_prompt(length, seed=seed + row)[0]
-        mask[row, width - length :] = 1
-    return ids, mask
-
-
 def assert_rows_exact(model, spec, lengths, seed=0, **kwargs):
-    ids, mask = padded_batch(lengths, seed)
+    ids, mask = padded_prompts(lengths, seed)
     kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=PAD, **kwargs)
     expected = model.generate(ids, attention_mask=mask, **kwargs)
     actual = spec.generate(ids, attention_mask=mask, **kwargs)
@@ -54,7 +43,7 @@ def test_batched_greedy_matches_generate_per_row(model):
 
 
 def test_rows_finish_at_different_steps(model):
-    ids, mask = padded_batch(BATCHES[1], seed=5)
+    ids, mask = padded_prompts(BATCHES[1], seed=5)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
     # an EOS id that row 0 produces early; other rows stop elsewhere or run to the budget
     eos = int(free[0, ids.shape[1] + 4])
@@ -76,7 +65,7 @@ def test_batch_with_processors_sees_each_row_as_generate_does():
 
 def test_batch_limits_are_explicit():
     model = tiny_model("llama")
-    ids, mask = padded_batch([3, 5])
+    ids, mask = padded_prompts([3, 5])
     tree_spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2), tree=[[0], [0, 0]])
     with pytest.raises(UnsupportedGenerationArgument, match="one prompt at a time"):
         tree_spec.generate(ids, attention_mask=mask, max_new_tokens=5)

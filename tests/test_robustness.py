@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 from test_medusa import medusa_heads
-from tiny_models import random_prompt, tiny_config, tiny_model
+from tiny_models import padded_prompts, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
@@ -209,22 +209,12 @@ def test_masked_logits_in_every_mode(model, mode, masking, sampler):
     assert len(sampler) > 0
 
 
-def padded_batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = random_prompt(length, seed=seed + row)[0]
-        mask[row, width - length :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("masking", MASKINGS)
 @pytest.mark.parametrize("mode", ["early_exit", "medusa_chain"])  # trees take one prompt at a time
 def test_masked_logits_in_a_batch_of_three(model, specs, mode, masking, sampler):
     kwargs, banned, sampling_is_greedy = MASKINGS[masking]
     spec = specs[mode]
-    ids, mask = padded_batch([4, 11, 1], seed=30)
+    ids, mask = padded_prompts([4, 11, 1], seed=30)
     common = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **kwargs)
     greedy = model.generate(ids, do_sample=False, **common)
     assert torch.equal(spec.generate(ids, do_sample=False, **common), greedy)
@@ -249,7 +239,7 @@ def test_same_seed_same_sample(specs, mode, sampler):
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert len({tuple(out[0].tolist()) for out in first}) > 1  # different seeds, different samples
     if mode != "medusa_tree":  # and in a batch
-        ids, mask = padded_batch([3, 9, 6], seed=41)
+        ids, mask = padded_prompts([3, 9, 6], seed=41)
         batch = [seeded(spec, ids, 7, attention_mask=mask, pad_token_id=PAD, **kwargs) for _ in range(2)]
         assert torch.equal(batch[0], batch[1])
     assert len(sampler) > 0

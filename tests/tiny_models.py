@@ -79,3 +79,14 @@ def tiny_model(arch: str, seed: int = 0, logit_scale: float = 8.0, **config_over
 def random_prompt(length: int, vocab_size: int = 96, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (1, length), generator=generator)
+
+
+def padded_prompts(lengths: list[int], seed: int = 0, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of these lengths, left-padded to one width with `pad`, and their attention mask."""
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = random_prompt(length, seed=seed + row)[0]
+        mask[row, width - length :] = 1
+    return ids, mask

@@ -34,9 +34,10 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from selfspec.config import config_differences, load_config, save_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_corpus import END_OF_TEXT, DataConfig, prepare_corpus  # noqa: E402
-from yaml_config import config_differences, load_config, save_config  # noqa: E402
 
 
 @dataclass
@@ -226,7 +227,10 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
 
 
-def save_checkpoint(accelerator: Accelerator, config: Config, step: int) -> Path:
+def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
+    """`save_state` into a temporary folder, renamed to step_<step> once every process has written its part
+    (each writes its own random states), so a run killed at any moment leaves only complete checkpoints.
+    `config` (this script's or train_heads') has `output_dir` and `train.keep_checkpoints`."""
     directory = Path(config.output_dir) / "checkpoints"
     final = directory / f"step_{step:06d}"
     partial = directory / f"partial_step_{step:06d}"
@@ -234,6 +238,7 @@ def save_checkpoint(accelerator: Accelerator, config: Config, step: int) -> Path
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()  # every process writes its own random states into the folder
     if accelerator.is_main_process:
         save_config(config, partial / "config.yaml")
         shutil.rmtree(final, ignore_errors=True)

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_demo_target import Config, ModelConfig, TrainConfig, build_model  # noqa: E402
 from stdlib_corpus import END_OF_TEXT, DataConfig, read_sources, split_files, stdlib_root  # noqa: E402
-from yaml_config import load_config  # noqa: E402
+
+from selfspec.config import load_config  # noqa: E402
 
 
 def load_model(path: Path):

@@ -1,0 +1,284 @@
+"""Dataclass configs that map one-to-one onto YAML files, with dotted command-line overrides; and the
+config of `training/train_heads.py` (every default in one place, each with a one-line comment).
+
+A config is a tree of dataclasses whose leaves are int, float, str, bool or list[int] (optionally
+`| None`). `load_config(Config, "file.yaml", ["--train.lr", "3e-4"])` starts from the dataclass
+defaults, applies the YAML file, then the overrides, and builds the dataclasses (so `__post_init__`
+checks run on the final values). An unknown key or a value of the wrong type raises `ValueError`
+naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+ConfigT = TypeVar("ConfigT")
+
+
+def load_config(cls: type[ConfigT], path: str | Path | None = None, overrides: list[str] = ()) -> ConfigT:
+    """Defaults of `cls`, updated by the YAML file at `path`, then by `--dotted.key value` overrides."""
+    values = dataclasses.asdict(cls())
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            from_file = yaml.safe_load(f) or {}
+        if not isinstance(from_file, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        _merge(cls, values, from_file, prefix="")
+    for key, value in parse_overrides(overrides):
+        _set_dotted(cls, values, key, value)
+    return _build(cls, values)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`["--a.b", "1", "--c=x"]` -> `[("a.b", 1), ("c", "x")]`, values parsed with `yaml.safe_load`."""
+    pairs = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"expected a --dotted.key, got {arg!r}")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ValueError(f"missing value for {arg}")
+            key, text = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, yaml.safe_load(text)))
+    return pairs
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write a config as YAML that `load_config` reads back to an equal config."""
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), encoding="utf-8")
+
+
+def config_differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs of the same class."""
+    a_values = a if isinstance(a, dict) else dataclasses.asdict(a)
+    b_values = b if isinstance(b, dict) else dataclasses.asdict(b)
+    keys = []
+    for key in a_values.keys() | b_values.keys():
+        x, y = a_values.get(key), b_values.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            keys += config_differences(x, y, prefix=f"{prefix}{key}.")
+        elif x != y:
+            keys.append(f"{prefix}{key}")
+    return sorted(keys)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+
+
+def _merge(cls: type, values: dict, update: dict, prefix: str) -> None:
+    types_ = _field_types(cls)
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if key not in types_:
+            raise ValueError(f"unknown config key {dotted!r}")
+        if dataclasses.is_dataclass(types_[key]):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {dotted!r} must be a mapping, got {value!r}")
+            _merge(types_[key], values[key], value, prefix=f"{dotted}.")
+        else:
+            values[key] = _check_type(dotted, types_[key], value)
+
+
+def _set_dotted(cls: type, values: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    update: dict = {leaf: value}
+    for parent in reversed(parents):
+        update = {parent: update}
+    _merge(cls, values, update, prefix="")
+
+
+def _check_type(key: str, expected: Any, value: Any) -> Any:
+    allowed = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
+    if value is None and type(None) in allowed:
+        return None
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is float and isinstance(value, str):
+            try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        if kind is str and isinstance(value, str):
+            return value
+        if typing.get_origin(kind) is list and isinstance(value, list):
+            (item,) = typing.get_args(kind)
+            return [_check_type(f"{key}[{index}]", item, entry) for index, entry in enumerate(value)]
+    names = " | ".join(
+        str(kind) if typing.get_origin(kind) else getattr(kind, "__name__", str(kind)) for kind in allowed
+    )
+    raise ValueError(f"config key {key!r} expects {names}, got {value!r}")
+
+
+def _build(cls: type[ConfigT], values: dict) -> ConfigT:
+    types_ = _field_types(cls)
+    kwargs = {
+        key: _build(types_[key], value) if dataclasses.is_dataclass(types_[key]) else value
+        for key, value in values.items()
+    }
+    return cls(**kwargs)
+
+
+def _at_least(section: str, config: Any, minimum: int, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise ValueError(f"{section}.{name} must be at least {minimum}, got {getattr(config, name)}")
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+# The config of training/train_heads.py --------------------------------------------------------------
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "heads/demo-target"  # the frozen target: a local folder or a hub model name
+    adapter_path: str | None = None  # a peft (LoRA) adapter folder applied on the target; it stays frozen too
+    dtype: str = "auto"  # weights as loaded: auto (as saved) | float32 | bfloat16 | float16
+    device_map: str | None = None  # "auto" spreads a target too large for one device over the GPUs (1 process)
+    attn_implementation: str | None = None  # eager | sdpa | ...; None lets transformers choose
+
+    def __post_init__(self):
+        _one_of("target.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if not self.name_or_path:
+            raise ValueError("target.name_or_path must name a model folder or a hub model")
+
+
+@dataclass
+class DataConfig:
+    source: str = "{stdlib}/**/*.py"  # comma-separated file globs ({stdlib}: Python's standard library) or hub:<name>
+    exclude: str | None = None  # comma-separated globs of files to leave out (e.g. {stdlib}/site-packages/**)
+    hub_config: str | None = None  # the hub data set's configuration name
+    hub_split: str = "train"  # the hub data set's split to read
+    text_field: str = "text"  # jsonl / parquet / hub column holding plain text
+    messages_field: str = "messages"  # column of chat messages, rendered with the tokenizer's chat template
+    heldout_files: str | None = None  # globs of held-out files; None holds out heldout_fraction of documents
+    heldout_fraction: float = 0.02  # share of documents held out when heldout_files is None
+    seed: int = 0  # seeds the held-out split by fraction
+    seq_len: int = 256  # tokens per packed row (documents joined by the EOS token, then cut)
+    max_documents: int | None = None  # read at most this many training documents (None: all)
+
+    def __post_init__(self):
+        if not self.source.strip() or self.source.strip() == "hub:":
+            raise ValueError("data.source must give file globs or hub:<data set name>")
+        if self.heldout_files is None and not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"data.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        _at_least("data", self, 2, ("seq_len",))
+        if self.max_documents is not None:
+            _at_least("data", self, 1, ("max_documents",))
+
+
+@dataclass
+class HeadsConfig:
+    kind: str = "exit"  # exit: one head per exit depth; medusa: heads on the last hidden state
+    exit_layers: list[int] | None = None  # exit depths (1..L-1); None: about L/6, L/4, L/3, L/2, 2L/3
+    intermediate_size: int | None = None  # exit head MLP width; None: 2 x hidden_size
+    num_heads: int = 4  # Medusa heads (head i predicts the token i+2 positions ahead)
+    num_layers: int = 1  # residual blocks per Medusa head
+    own_lm_head: bool = False  # Medusa heads with their own LM head (a copy of the target's) instead of the shared one
+    num_draft_tokens: int | None = None  # gamma recorded in the heads config; None: selfspec's default
+
+    def __post_init__(self):
+        _one_of("heads.kind", self.kind, ("exit", "medusa"))
+        _at_least("heads", self, 1, ("num_heads", "num_layers"))
+        if self.exit_layers is not None and not self.exit_layers:
+            raise ValueError("heads.exit_layers must list at least one depth (or be null for the default spread)")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0  # heads initialisation and the order of training rows
+    max_steps: int = 2000  # optimizer steps; the cosine schedule ends here
+    batch_size: int = 16  # rows per optimizer micro-step summed over all processes (divisible by their count)
+    gradient_accumulation_steps: int = 1  # micro-steps per optimizer step
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    min_lr_ratio: float = 0.1  # cosine decay floor as a fraction of lr
+    warmup_steps: int = 50  # linear warmup from 0
+    weight_decay: float = 0.0  # AdamW decay of the heads' matrices (the heads start as the identity)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
+    loss: str = "kl"  # kl: KL(p || q); soft_ce: -sum p log q (same gradient, offset by the entropy of p)
+    recompute_logits: bool = False  # recompute each draft's logits in backward: less memory for large vocabularies
+    mixed_precision: str = "auto"  # auto | bf16 | fp16 | no; auto = bf16 where the CPU or GPU has it
+    num_threads: int | None = None  # torch.set_num_threads (1 on a busy CPU); None keeps torch's choice
+    checkpoint_every: int = 200  # steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+
+    def __post_init__(self):
+        _one_of("train.loss", self.loss, ("kl", "soft_ce"))
+        _one_of("train.mixed_precision", self.mixed_precision, ("auto", "bf16", "fp16", "no"))
+        names = ("max_steps", "batch_size", "gradient_accumulation_steps", "checkpoint_every", "keep_checkpoints")
+        _at_least("train", self, 1, names)
+        if self.num_threads is not None:
+            _at_least("train", self, 1, ("num_threads",))
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be positive, got {self.lr}")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 200  # steps between held-out evaluations (one always runs before training and at the end)
+    max_rows: int = 64  # held-out rows per evaluation (the first ones, always the same)
+    batch_size: int = 8  # rows per evaluation forward, per process
+    timing_context: int = 64  # tokens in the cache while timing one-token steps to measure c
+    timing_repeats: int = 20  # timed repetitions per measurement (the median is used)
+    max_gamma: int = 8  # the predicted speedup is maximised over gamma = 1..max_gamma
+    measure_v: bool = False  # also measure v(gamma) = verify(gamma+1 positions) / one step; else v = 1
+
+    def __post_init__(self):
+        _at_least("eval", self, 1, ("every", "max_rows", "batch_size", "timing_context", "timing_repeats", "max_gamma"))
+
+
+@dataclass
+class LoggingConfig:
+    report_to: str = "wandb"  # wandb | none (--report_to none on the command line)
+    project: str = "selfspec-heads"  # tracker project
+    run_name: str | None = None  # tracker run name; None: the heads folder's name
+    wandb_mode: str = "auto"  # auto: online with credentials and a reachable server, else offline | online | offline
+    log_every: int = 10  # steps between training-loss logs
+
+    def __post_init__(self):
+        _one_of("logging.report_to", self.report_to, ("wandb", "none"))
+        _one_of("logging.wandb_mode", self.wandb_mode, ("auto", "online", "offline"))
+        _at_least("logging", self, 1, ("log_every",))
+
+
+@dataclass
+class TrainHeadsConfig:
+    output_dir: str = "runs/heads-demo"  # run folder: checkpoints, metrics.jsonl, plot, tracker files
+    heads_dir: str = "heads/demo-target/exit-heads"  # where the trained heads folder is written
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def default_exit_layers(num_layers: int) -> list[int]:
+    """About L/6, L/4, L/3, L/2 and 2L/3 (2, 3, 4, 6, 8 of 12), within 1..L-1, without repeats."""
+    depths = {min(num_layers - 1, max(1, round(num_layers * share))) for share in (1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3)}
+    return sorted(depths)

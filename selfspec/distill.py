@@ -1,0 +1,315 @@
+"""Self-distillation of draft heads on a frozen target, and the figures that predict their speedup.
+
+p is the frozen target's own next-token distribution at a position (temperature 1, raw logits), q a
+draft's distribution for the same token (DESIGN.md section 1):
+
+- loss: KL(p || q) = sum_x p(x) log(p(x) / q(x)), or the soft cross-entropy -sum_x p(x) log q(x) (the same
+  gradient in q; KL is 0 for a perfect draft). Both push q towards p everywhere, and so raise alpha.
+- alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q): the chance that the accept-reject rule keeps a draft.
+- top-1 agreement: argmax q == argmax p, the greedy acceptance.
+- expected tokens per iteration E = 1 + a_1 + a_1 a_2 + ... (= (1 - alpha^(gamma+1)) / (1 - alpha) for a
+  constant alpha) and the speedup S(gamma) = E / (v(gamma) + gamma c), c = t_draft / t_step and
+  v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured).
+
+Drafts: exit head k reads the pre-norm hidden state after layer k (`hidden_states[k]`) and predicts the
+next token, so its teacher is the target's distribution at the same position. Medusa head i (0-based)
+reads the normed final hidden state at position t and predicts the token at t+2+i, so its teacher is
+the target's distribution at position t+1+i.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .adapter import ModelAdapter
+from .adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
+from .heads import DraftHeads, ExitHeads, MedusaHeads
+
+# ------------------------------------------------------------------------------------------ the math
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position: `[..., V]` logits -> `[...]`, in float32."""
+    log_p = torch.log_softmax(p_logits.float(), dim=-1)
+    log_q = torch.log_softmax(q_logits.float(), dim=-1)
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # 0 log 0 = 0 where p has no mass
+
+
+def soft_cross_entropy(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """-sum_x p(x) log q(x) per position: `[..., V]` logits -> `[...]`, in float32."""
+    p = torch.softmax(p_logits.float(), dim=-1)
+    return -torch.where(p > 0, p * torch.log_softmax(q_logits.float(), dim=-1), 0.0).sum(-1)
+
+
+def acceptance_rate(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)) per position: `[..., V]` logits -> `[...]`, in float32."""
+    return torch.minimum(torch.softmax(p_logits.float(), dim=-1), torch.softmax(q_logits.float(), dim=-1)).sum(-1)
+
+
+def top1_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """1.0 where argmax q == argmax p, else 0.0: `[..., V]` logits -> `[...]`."""
+    return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
+
+
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens committed per iteration when draft i is accepted with probability alphas[i] once drafts
+    0..i-1 were: 1 + a_1 + a_1 a_2 + ... (the bonus or corrected token counts as the 1)."""
+    total, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        total += reach
+    return total
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float] = lambda gamma: 1.0):
+    """(gamma, S(gamma)) with the largest predicted speedup `predicted_speedup` for gamma = 1..max_gamma (a
+    speedup below 1 says that drafting at this depth cannot pay)."""
+    return max(((g, predicted_speedup(alpha, g, c, v(g))) for g in range(1, max_gamma + 1)), key=lambda x: x[1])
+
+
+# --------------------------------------------------------------------------------------- the drafts
+
+
+@dataclass
+class Draft:
+    """One draft of a heads set on one batch: what its head reads and the target logits it must match."""
+
+    name: str  # exit_<k> or medusa_<i>
+    hidden: torch.Tensor  # [batch, positions, H] the head's input
+    offset: int  # the teacher of the head's position t is the target's distribution at t + offset
+    head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
+
+    def teacher(self, per_position: torch.Tensor) -> torch.Tensor:
+        """The entries of a per-target-position tensor `[batch, T, ...]` that this draft is taught by."""
+        return per_position[:, self.offset : self.offset + self.hidden.shape[1]]
+
+
+def draft_names(heads: DraftHeads) -> list[str]:
+    """`exit_<k>` per exit depth, `medusa_<i>` per Medusa head, in order."""
+    if isinstance(heads, ExitHeads):
+        return [f"exit_{k}" for k in heads.exit_layers]
+    return [f"medusa_{i}" for i in range(heads.num_heads)]
+
+
+def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draft]:
+    """The drafts of `heads` given one target forward's `hidden_states` (as `output_hidden_states=True`
+    returns them: L+1 entries `[batch, T, H]`, the last one normed)."""
+    weight = next(heads.parameters())
+
+    def head_input(hidden):  # heads may train in float32 on a half-precision target
+        return hidden.to(device=weight.device, dtype=weight.dtype)
+
+    def to_target(hidden):
+        return hidden.to(device=adapter.device, dtype=adapter.dtype)
+
+    if isinstance(heads, ExitHeads):
+
+        def exit_logits(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda hidden: adapter.head_logits(to_target(block(hidden)))
+
+        return [
+            Draft(f"exit_{k}", head_input(hidden_states[k]), 0, exit_logits(heads.head_for(k)))
+            for k in heads.exit_layers
+        ]
+    if not isinstance(heads, MedusaHeads):
+        raise TypeError(f"cannot distil heads of kind {heads.kind!r}")
+    normed = head_input(hidden_states[-1])
+    length = normed.shape[1]
+    result = []
+    for i, blocks in enumerate(heads.blocks):
+        shift = 1 + i  # head i at position t is taught by the target at t+1+i
+        if length <= shift:
+            break
+        lm_head = heads.lm_heads[i] if heads.lm_heads is not None else None
+        result.append(
+            Draft(
+                f"medusa_{i}",
+                normed[:, : length - shift],
+                shift,
+                lambda h, blocks=blocks, lm_head=lm_head: adapter.lm_logits(
+                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head
+                ),
+            )
+        )
+    return result
+
+
+@torch.no_grad()
+def target_pass(model: nn.Module, input_ids: torch.Tensor):
+    """One forward of the frozen target: (hidden states, one per layer boundary, the last normed; logits)."""
+    # with the model's default use_cache (True): GPT-2's hidden states without a cache differ by ~1e-8 from
+    # the cached path that generation (and `run_lower`) takes
+    out = model(input_ids=input_ids, output_hidden_states=True)
+    return out.hidden_states, out.logits
+
+
+class DistillationObjective(nn.Module):
+    """The trainable heads and their loss against the frozen target (whose modules are not registered here,
+    so DDP and the optimizer see the heads only). forward(hidden_states, logits) -> mean loss per draft."""
+
+    def __init__(self, heads: DraftHeads, adapter: ModelAdapter, loss: str = "kl", recompute_logits: bool = False):
+        super().__init__()
+        if loss not in ("kl", "soft_ce"):
+            raise ValueError(f"loss must be kl or soft_ce, got {loss!r}")
+        self.heads = heads
+        self._adapter = adapter  # a plain object: the target's norm and LM head stay outside this module
+        self.loss = loss
+        self.recompute_logits = recompute_logits
+
+    @staticmethod
+    def _cross_entropy(draft: Draft, hidden: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        # -sum_x p log q; the draft's logits come from an LM head, so they are finite and so is p * log q
+        return -(p * torch.log_softmax(draft.head(hidden).float(), dim=-1)).sum(-1).mean()
+
+    def forward(self, hidden_states, logits: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # the teacher once per batch, shared by every draft
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            p = log_p.exp()  # [batch, T, V]
+            # sum_x p log p: KL(p || q) = cross-entropy - entropy of p; 0 for the soft cross-entropy
+            negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
+        losses = []
+        for draft in drafts(self.heads, self._adapter, hidden_states):
+            if self.recompute_logits:  # keep one draft's [batch, T, V] activations at a time, not all of them
+                loss = checkpoint(self._cross_entropy, draft, draft.hidden, draft.teacher(p), use_reentrant=False)
+            else:
+                loss = self._cross_entropy(draft, draft.hidden, draft.teacher(p))
+            if negative_entropy is not None:
+                loss = loss + draft.teacher(negative_entropy).mean()
+            losses.append(loss)
+        return torch.stack(losses)
+
+
+@torch.no_grad()
+def score_sums(heads: DraftHeads, adapter: ModelAdapter, hidden_states, logits: torch.Tensor) -> torch.Tensor:
+    """Per draft, sums over positions of (KL(p || q), alpha, top-1 agreement, 1): `[num_drafts, 4]` float64."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)  # [batch, T, V], shared by every draft
+    p, top = log_p.exp(), logits.argmax(-1)
+    rows = []
+    for draft in drafts(heads, adapter, hidden_states):
+        q_logits = draft.head(draft.hidden)
+        log_q = torch.log_softmax(q_logits.float(), dim=-1)
+        p_draft = draft.teacher(p)
+        kl = torch.where(p_draft > 0, p_draft * (draft.teacher(log_p) - log_q), 0.0).sum(-1)  # [batch, positions]
+        alpha = torch.minimum(p_draft, log_q.exp()).sum(-1)
+        agree = q_logits.argmax(-1) == draft.teacher(top)
+        count = torch.tensor(agree.numel(), dtype=torch.float64, device=agree.device)
+        rows.append(torch.stack([kl.double().sum(), alpha.double().sum(), agree.double().sum(), count]))
+    return torch.stack(rows)
+
+
+def state_digest(module: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer (names, dtypes, shapes, bytes): equal iff bitwise equal."""
+    digest = hashlib.sha256()
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------- measuring c, v
+
+
+@dataclass
+class Costs:
+    """Median seconds of one full one-token step, of one draft token per draft, and (if measured) of one
+    verify pass over gamma+1 positions."""
+
+    step_s: float
+    draft_s: dict[str, float]
+    verify_s: dict[int, float] = field(default_factory=dict)
+
+    def c(self, name: str) -> float:
+        return self.draft_s[name] / self.step_s
+
+    def v(self, gamma: int) -> float:
+        return self.verify_s[gamma] / self.step_s if gamma in self.verify_s else 1.0
+
+
+def _timed(run: Callable[[object], object], state: object, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run(state)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def measure_costs(
+    adapter: ModelAdapter, heads: DraftHeads, tokens: torch.Tensor, repeats: int = 20, max_gamma: int = 0
+) -> Costs:
+    """Time one-token steps after a cached context `tokens[:, :n - max(max_gamma, 1) - 1]` ([1, n] ids).
+
+    Full step: all layers for one token. Exit depth k: layers 0..k-1 and exit head k for one token. Medusa:
+    all heads on one hidden state (they run together, once per iteration). v(gamma), gamma = 1..max_gamma:
+    one full pass over gamma+1 new positions. Every call starts from a copy of the same prefilled cache;
+    the calls are interleaved within each repetition, so that load on a shared machine slows all of them
+    alike, and the median over `repeats` (after two warm-up rounds) is kept.
+    """
+    context = tokens.shape[1] - max(max_gamma, 1) - 1
+    if context < 1:
+        raise ValueError(f"timing needs more than {max(max_gamma, 1) + 1} tokens; got {tokens.shape[1]}")
+    device = adapter.device
+    cache = adapter.new_cache()
+    _, hidden = adapter.forward_with_hidden(tokens[:, :context], torch.arange(context, device=device)[None], cache)
+
+    def after(count: int):  # the next `count` tokens and their positions
+        return tokens[:, context : context + count], torch.arange(context, context + count, device=device)[None]
+
+    def full(count: int):
+        ids, positions = after(count)
+        return lambda fresh_cache: adapter.forward(ids, positions, fresh_cache)
+
+    def exit_draft(k: int):
+        ids, positions = after(1)
+        block = heads.head_for(k)
+        return lambda fresh_cache: adapter.head_logits(block(adapter.run_lower(ids, positions, fresh_cache, k)))
+
+    calls: dict[object, Callable[[object], object]] = {"step": full(1)}
+    if isinstance(heads, MedusaHeads):
+        calls["medusa"] = lambda _: heads.logits(hidden[:, -1], adapter)
+    else:
+        calls.update({f"exit_{k}": exit_draft(k) for k in heads.exit_layers})
+    calls.update({gamma: full(gamma + 1) for gamma in range(1, max_gamma + 1)})
+    times: dict[object, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats + 2):
+        for key, call in calls.items():
+            times[key].append(_timed(call, copy.deepcopy(cache), device))  # the copy is made before the clock starts
+    median = {key: statistics.median(values[2:]) for key, values in times.items()}
+    if isinstance(heads, MedusaHeads):
+        draft_s = dict.fromkeys(draft_names(heads), median["medusa"])
+    else:
+        draft_s = {name: median[name] for name in draft_names(heads)}
+    return Costs(median["step"], draft_s, {gamma: median[gamma] for gamma in range(1, max_gamma + 1)})
+
+
+def speedup_table(heads: DraftHeads, alphas: dict[str, float], costs: Costs, max_gamma: int) -> dict[str, dict]:
+    """Per draft: c, the best gamma and its predicted speedup. Exit depths: S(gamma) with that depth's alpha.
+    Medusa: one chain of the first gamma heads, E = 1 + a_0 + a_0 a_1 + ..., cost v(gamma) + c (all heads
+    run once per iteration); reported on each head's row as the chain up to that head."""
+    table = {}
+    if isinstance(heads, MedusaHeads):
+        names = draft_names(heads)
+        for gamma, name in enumerate(names, start=1):
+            chain = [alphas[n] for n in names[:gamma]]
+            c = costs.c(name)
+            table[name] = {"c": c, "gamma": gamma, "speedup": expected_tokens(chain) / (costs.v(gamma) + c)}
+        return table
+    for name, alpha in alphas.items():
+        c = costs.c(name)
+        gamma, speedup = best_gamma(alpha, c, max_gamma, costs.v)
+        table[name] = {"c": c, "gamma": gamma, "speedup": speedup}
+    return table

@@ -1,0 +1,122 @@
+"""selfspec/config.py: YAML <-> dataclass configs with dotted overrides, and the shipped configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from selfspec.config import (
+    TrainHeadsConfig,
+    config_differences,
+    default_exit_layers,
+    load_config,
+    parse_overrides,
+    save_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = ["train_heads_demo.yaml", "train_heads_llama_1b_template.yaml"]
+
+
+def flat_keys(values: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in values.items():
+        keys |= flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_map_one_to_one_and_round_trip(name, tmp_path):
+    config = load_config(TrainHeadsConfig, CONFIGS / name)
+    written = yaml.safe_load((CONFIGS / name).read_text())
+    assert flat_keys(written) == flat_keys(dataclasses.asdict(TrainHeadsConfig()))  # every key, no other
+    save_config(config, tmp_path / "again.yaml")
+    assert load_config(TrainHeadsConfig, tmp_path / "again.yaml") == config
+
+
+def test_demo_config_targets_the_demo_model():
+    config = load_config(TrainHeadsConfig, CONFIGS / "train_heads_demo.yaml")
+    assert config.target.name_or_path == "heads/demo-target" and config.heads.exit_layers == [2, 3, 4, 6, 8]
+
+
+def test_overrides_by_dotted_key(tmp_path):
+    config = load_config(
+        TrainHeadsConfig,
+        CONFIGS / "train_heads_demo.yaml",
+        [
+            "--train.lr",
+            "3e-4",
+            "--heads.exit_layers",
+            "[1, 5]",
+            "--logging.report_to=none",
+            "--target.device_map",
+            "auto",
+        ],
+    )
+    assert config.train.lr == 3e-4 and isinstance(config.train.lr, float)
+    assert config.heads.exit_layers == [1, 5] and config.logging.report_to == "none"
+    assert config.target.device_map == "auto"
+    assert config_differences(config, load_config(TrainHeadsConfig, CONFIGS / "train_heads_demo.yaml")) == [
+        "heads.exit_layers",
+        "logging.report_to",
+        "target.device_map",
+        "train.lr",
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--train.lrr", "1"], "unknown config key 'train.lrr'"),
+        (["--nope.lr", "1"], "unknown config key 'nope'"),
+        (["--train.max_steps", "ten"], "config key 'train.max_steps' expects int, got 'ten'"),
+        (["--train.max_steps", "1.5"], "config key 'train.max_steps' expects int"),
+        (["--logging.log_every", "true"], "config key 'logging.log_every' expects int, got True"),
+        (["--heads.exit_layers", "[1, x]"], r"config key 'heads.exit_layers\[1\]' expects int, got 'x'"),
+        (["--heads.exit_layers", "3"], "config key 'heads.exit_layers' expects list"),
+        (["--train", "1"], "config key 'train' must be a mapping"),
+        (["--heads.kind", "eagle"], "heads.kind must be one of exit, medusa; got 'eagle'"),
+        (["--train.batch_size", "0"], "train.batch_size must be at least 1, got 0"),
+        (["--data.heldout_fraction", "1.5"], r"data.heldout_fraction must be in \(0, 1\), got 1.5"),
+        (["--data.source", "' '"], "data.source must give file globs or hub:<data set name>"),
+        (["--data.source", "hub:"], "config key 'data.source' expects str, got {'hub': None}"),
+        (["--target.dtype", "int8"], "target.dtype must be one of"),
+        (["--heads.exit_layers", "[]"], "heads.exit_layers must list at least one depth"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(TrainHeadsConfig, None, overrides)
+
+
+def test_unknown_key_in_a_yaml_file_names_it(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_step: 10\n")
+    with pytest.raises(ValueError, match="unknown config key 'train.max_step'"):
+        load_config(TrainHeadsConfig, path)
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping at the top level"):
+        load_config(TrainHeadsConfig, path)
+
+
+def test_parse_overrides_needs_dashed_keys_and_values():
+    assert parse_overrides(["--a.b", "1", "--c=x y"]) == [("a.b", 1), ("c", "x y")]
+    with pytest.raises(ValueError, match="missing value for --a"):
+        parse_overrides(["--a"])
+    with pytest.raises(ValueError, match="expected a --dotted.key"):
+        parse_overrides(["a", "1"])
+
+
+def test_default_exit_layers_spread_over_the_depth():
+    assert default_exit_layers(12) == [2, 3, 4, 6, 8]
+    assert default_exit_layers(16) == [3, 4, 5, 8, 11]
+    assert default_exit_layers(2) == [1]
+
+
+def test_accelerate_configs():
+    for name, kind, processes in [("cpu", "NO", 1), ("one_gpu", "NO", 1), ("multi_gpu", "MULTI_GPU", 2)]:
+        config = yaml.safe_load((CONFIGS / "accelerate" / f"{name}.yaml").read_text())
+        assert (config["distributed_type"], config["num_processes"]) == (kind, processes)

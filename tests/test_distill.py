@@ -1,0 +1,225 @@
+"""The distillation and speedup math of selfspec/distill.py on hand-made tensors and tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, tiny_model
+
+from selfspec.adapter import ModelAdapter
+from selfspec.distill import (
+    Costs,
+    DistillationObjective,
+    acceptance_rate,
+    best_gamma,
+    draft_names,
+    drafts,
+    expected_tokens,
+    kl_divergence,
+    measure_costs,
+    predicted_speedup,
+    score_sums,
+    soft_cross_entropy,
+    speedup_table,
+    state_digest,
+    target_pass,
+    top1_agreement,
+)
+from selfspec.heads import ExitHeads, MedusaHeads
+
+
+def logits_of(*distributions: list[float]) -> torch.Tensor:
+    """Logits `[n, V]` whose softmax is each given distribution (zeros become -inf)."""
+    return torch.tensor(distributions, dtype=torch.float64).log()
+
+
+P = logits_of([0.5, 0.5, 0.0], [0.1, 0.2, 0.7])
+Q = logits_of([0.25, 0.25, 0.5], [0.1, 0.6, 0.3])
+
+
+def test_alpha_is_the_overlap_of_p_and_q():
+    # sum_x min(p, q): 0.25 + 0.25 + 0 = 0.5; 0.1 + 0.2 + 0.3 = 0.6
+    torch.testing.assert_close(acceptance_rate(P, Q), torch.tensor([0.5, 0.6]))
+    torch.testing.assert_close(acceptance_rate(P, P), torch.tensor([1.0, 1.0]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 50))
+def test_alpha_is_one_minus_total_variation(seed, vocab):
+    generator = torch.Generator().manual_seed(seed)
+    p_logits, q_logits = torch.randn(2, 3, vocab, generator=generator) * 3
+    p, q = p_logits.softmax(-1), q_logits.softmax(-1)
+    total_variation = 0.5 * (p - q).abs().sum(-1)
+    torch.testing.assert_close(acceptance_rate(p_logits, q_logits), 1 - total_variation)
+    # symmetric in p and q
+    torch.testing.assert_close(acceptance_rate(p_logits, q_logits), acceptance_rate(q_logits, p_logits))
+
+
+def test_kl_and_soft_cross_entropy_by_hand():
+    # KL(p || q) = sum p log(p / q) over the support of p
+    first = 0.5 * math.log(0.5 / 0.25) * 2
+    second = 0.1 * math.log(0.1 / 0.1) + 0.2 * math.log(0.2 / 0.6) + 0.7 * math.log(0.7 / 0.3)
+    torch.testing.assert_close(kl_divergence(P, Q), torch.tensor([first, second], dtype=torch.float32))
+    entropy = torch.tensor([math.log(2), -(0.1 * math.log(0.1) + 0.2 * math.log(0.2) + 0.7 * math.log(0.7))])
+    torch.testing.assert_close(soft_cross_entropy(P, Q), kl_divergence(P, Q) + entropy.float())
+    torch.testing.assert_close(kl_divergence(P, P), torch.zeros(2))
+
+
+def test_kl_gradient_equals_soft_cross_entropy_gradient():
+    p = torch.randn(4, 7)
+    q1 = torch.randn(4, 7, requires_grad=True)
+    q2 = q1.detach().clone().requires_grad_(True)
+    kl_divergence(p, q1).sum().backward()
+    soft_cross_entropy(p, q2).sum().backward()
+    torch.testing.assert_close(q1.grad, q2.grad)
+
+
+def test_top1_agreement():
+    assert top1_agreement(logits_of([0.1, 0.9], [0.6, 0.4]), logits_of([0.2, 0.8], [0.3, 0.7])).tolist() == [1.0, 0.0]
+
+
+def test_expected_tokens_and_predicted_speedup_by_hand():
+    alpha, gamma, c = 0.8, 4, 0.1
+    closed_form = (1 - alpha ** (gamma + 1)) / (1 - alpha)  # 3.3616
+    assert expected_tokens([alpha] * gamma) == pytest.approx(closed_form) == pytest.approx(3.3616)
+    assert predicted_speedup(alpha, gamma, c) == pytest.approx(3.3616 / 1.4)
+    assert predicted_speedup(alpha, gamma, c, 1.5) == pytest.approx(3.3616 / 1.9)
+    assert expected_tokens([1.0] * 3) == 4  # alpha = 1: every draft and the bonus token
+    assert expected_tokens([0.5, 0.2]) == pytest.approx(1 + 0.5 + 0.1)  # chain with varying alphas
+    assert predicted_speedup(0.0, 3, 0.2) == pytest.approx(1 / 1.6)  # nothing accepted: slower than plain
+
+
+def test_best_gamma_has_an_interior_optimum():
+    gamma, speedup = best_gamma(0.8, 0.1, max_gamma=16)
+    speedups = [predicted_speedup(0.8, g, 0.1) for g in range(1, 17)]
+    assert 1 < gamma < 16 and speedup == max(speedups) == speedups[gamma - 1]
+    assert best_gamma(0.8, 0.0, max_gamma=5)[0] == 5  # free drafts: more is always better
+    # measured v(gamma) growing with gamma moves the optimum down
+    assert best_gamma(0.8, 0.1, 16, v=lambda g: 1 + 0.2 * g)[0] < gamma
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_hidden_states_k_is_what_the_drafter_exits_from(arch):
+    """Exit heads train on `hidden_states[k]`; at generation they read `run_lower(k)`: the two must agree."""
+    model = tiny_model(arch)
+    adapter = ModelAdapter(model)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    hidden_states, logits = target_pass(model, ids)
+    positions = torch.arange(9)[None].expand(2, -1)
+    with torch.no_grad():  # as in training and in generation
+        lower = [adapter.run_lower(ids, positions, adapter.new_cache(), k) for k in range(1, adapter.num_layers)]
+        full, normed = adapter.forward_with_hidden(ids, positions, adapter.new_cache())
+    for k in range(1, adapter.num_layers):
+        assert torch.equal(hidden_states[k], lower[k - 1]), k
+    assert torch.equal(hidden_states[-1], normed) and torch.equal(logits, full)
+
+
+def test_drafts_pair_each_head_with_its_teacher():
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 6)))
+    exit_drafts = drafts(ExitHeads(adapter.fingerprint(), [1, 3]), adapter, hidden_states)
+    assert [d.name for d in exit_drafts] == ["exit_1", "exit_3"]
+    for draft, k in zip(exit_drafts, [1, 3], strict=True):  # untrained: the model's own norm and LM head
+        assert torch.equal(draft.teacher(logits), logits)
+        assert torch.equal(draft.head(draft.hidden), adapter.head_logits(hidden_states[k]))
+    medusa = MedusaHeads(adapter.fingerprint(), num_heads=3)
+    medusa_drafts = drafts(medusa, adapter, hidden_states)
+    assert [d.name for d in medusa_drafts] == draft_names(medusa) == ["medusa_0", "medusa_1", "medusa_2"]
+    for i, draft in enumerate(medusa_drafts):  # head i at position t is taught by the target at t+1+i
+        assert torch.equal(draft.hidden, hidden_states[-1][:, : 6 - 1 - i])
+        assert torch.equal(draft.teacher(logits), logits[:, 1 + i :])
+        # the per-sequence application agrees with MedusaHeads.logits, which generation uses
+        torch.testing.assert_close(
+            draft.head(draft.hidden)[:, 2], medusa.logits(hidden_states[-1][:, 2], adapter)[:, i]
+        )
+
+
+@pytest.mark.parametrize("kind", ["exit", "medusa"])
+def test_objective_recomputation_gives_the_same_loss_and_gradients(kind):
+    model = tiny_model("gemma2").requires_grad_(False)  # soft-capped logits
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = ExitHeads(adapter.fingerprint(), [1, 2]) if kind == "exit" else MedusaHeads(adapter.fingerprint(), 2)
+    for parameter in heads.parameters():  # leave the zero initialisation so that gradients reach every weight
+        torch.nn.init.normal_(parameter, std=0.05)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 7)))
+    results = []
+    for recompute in (False, True):
+        heads.zero_grad()
+        losses = DistillationObjective(heads, adapter, recompute_logits=recompute)(hidden_states, logits)
+        losses.sum().backward()
+        results.append((losses.detach(), [p.grad.clone() for p in heads.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for plain, recomputed in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(plain, recomputed)
+    assert all(p.grad is not None for p in heads.parameters()) and not any(p.requires_grad for p in model.parameters())
+    assert len(list(DistillationObjective(heads, adapter).parameters())) == len(list(heads.parameters()))
+
+
+def test_measure_costs_times_every_draft():
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    tokens = torch.randint(3, 96, (1, 20))
+    costs = measure_costs(adapter, ExitHeads(adapter.fingerprint(), [1, 2]), tokens, repeats=3, max_gamma=2)
+    assert costs.step_s > 0 and set(costs.draft_s) == {"exit_1", "exit_2"} and set(costs.verify_s) == {1, 2}
+    assert all(costs.c(name) > 0 for name in costs.draft_s) and costs.v(1) > 0 and costs.v(7) == 1.0
+    medusa = MedusaHeads(adapter.fingerprint(), 3)
+    medusa_costs = measure_costs(adapter, medusa, tokens, repeats=3)
+    assert set(medusa_costs.draft_s) == {"medusa_0", "medusa_1", "medusa_2"} and medusa_costs.verify_s == {}
+
+
+def test_speedup_table_for_exit_depths_and_a_medusa_chain():
+    heads = ExitHeads(tiny_fingerprint(), [1, 2])
+    costs = Costs(step_s=1.0, draft_s={"exit_1": 0.1, "exit_2": 0.5})
+    table = speedup_table(heads, {"exit_1": 0.8, "exit_2": 0.9}, costs, max_gamma=8)
+    assert table["exit_1"]["c"] == 0.1 and (table["exit_1"]["gamma"], table["exit_1"]["speedup"]) == best_gamma(
+        0.8, 0.1, 8
+    )
+    medusa = MedusaHeads(tiny_fingerprint(), 2)
+    chain = speedup_table(
+        medusa, {"medusa_0": 0.5, "medusa_1": 0.4}, Costs(1.0, dict.fromkeys(draft_names(medusa), 0.05)), 8
+    )
+    assert chain["medusa_1"]["gamma"] == 2
+    assert chain["medusa_1"]["speedup"] == pytest.approx((1 + 0.5 + 0.5 * 0.4) / (1 + 0.05))
+
+
+def tiny_fingerprint():
+    return ModelAdapter(tiny_model("llama")).fingerprint()
+
+
+def test_state_digest_sees_a_single_bit():
+    model = tiny_model("gpt2")
+    before = state_digest(model)
+    assert state_digest(model) == before
+    with torch.no_grad():
+        weight = next(model.parameters())
+        weight.view(-1)[0] = torch.nextafter(weight.view(-1)[0], torch.tensor(math.inf))
+    assert state_digest(model) != before
+
+
+@pytest.mark.parametrize("kind", ["exit", "medusa"])
+def test_objective_and_scores_match_the_definitions(kind):
+    model = tiny_model("qwen2")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = ExitHeads(adapter.fingerprint(), [1, 3]) if kind == "exit" else MedusaHeads(adapter.fingerprint(), 2)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 7)))
+    with torch.no_grad():
+        pairs = [(draft.teacher(logits), draft.head(draft.hidden)) for draft in drafts(heads, adapter, hidden_states)]
+        kl = DistillationObjective(heads, adapter, loss="kl")(hidden_states, logits)
+        ce = DistillationObjective(heads, adapter, loss="soft_ce")(hidden_states, logits)
+        sums = score_sums(heads, adapter, hidden_states, logits)
+    torch.testing.assert_close(kl, torch.stack([kl_divergence(p, q).mean() for p, q in pairs]))
+    torch.testing.assert_close(ce, torch.stack([soft_cross_entropy(p, q).mean() for p, q in pairs]))
+    expected = [
+        [kl_divergence(p, q).sum(), acceptance_rate(p, q).sum(), top1_agreement(p, q).sum(), p[..., 0].numel()]
+        for p, q in pairs
+    ]
+    torch.testing.assert_close(sums, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)

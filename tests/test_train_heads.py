@@ -1,0 +1,437 @@
+"""training/train_heads.py end to end, the data pipeline and `selfspec profile`, on a tiny trained Llama.
+
+The target is trained in the test on a synthetic language (a sparse Markov chain whose sentences are then
+repeated word for word), so its layers have real structure: the repeat needs attention, the chain does
+not. The launch tests share one uninterrupted run (W&B offline) and compare the other runs with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from selfspec import ExitHeads, SelfSpeculative, load_heads
+from selfspec.adapter import ModelAdapter
+from selfspec.config import DataConfig
+from selfspec.profile import load_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i}" for i in range(20)]
+VOCAB = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":"] + WORDS)}
+MAX_STEPS = 40
+
+
+def sentence(rng: random.Random, successors: dict, length: int = 8) -> str:
+    """A chain of `length` words, then the same words again."""
+    word = rng.choice(WORDS)
+    words = [word]
+    for _ in range(length - 1):
+        word = rng.choices(successors[word], weights=(0.7, 0.2, 0.1))[0]
+        words.append(word)
+    return " ".join(words + words)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    """A tiny Llama trained 200 steps on the synthetic language, its tokenizer, and data files."""
+    root = tmp_path_factory.mktemp("world")
+    rng = random.Random(0)
+    successors = {word: rng.sample(WORDS, 3) for word in WORDS}
+    documents = [sentence(rng, successors) for _ in range(1200)]
+    stream = torch.tensor([VOCAB[w] for doc in documents for w in doc.split() + ["</s>"]])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        starts = torch.randint(0, len(stream) - 64, (16,), generator=generator)
+        batch = torch.stack([stream[s : s + 64] for s in starts])
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(root / "target")
+    build_tokenizer().save_pretrained(root / "target")
+    data = root / "data"
+    (data / "heldout").mkdir(parents=True)
+    with open(data / "train.jsonl", "w") as f:
+        for doc in (sentence(rng, successors) for _ in range(400)):
+            f.write(json.dumps({"text": doc}) + "\n")
+    for i in range(6):  # held-out "source files", one document each
+        (data / "heldout" / f"file{i}.txt").write_text("\n".join(sentence(rng, successors) for _ in range(4)))
+    return {"root": root, "target": root / "target", "data": data, "successors": successors}
+
+
+def write_config(world: dict, name: str, **overrides) -> Path:
+    config = {
+        "output_dir": str(world["root"] / name / "run"),
+        "heads_dir": str(world["root"] / name / "heads"),
+        "target": {"name_or_path": str(world["target"])},
+        "data": {
+            "source": str(world["data"] / "train.jsonl"),
+            "heldout_files": str(world["data"] / "heldout"),
+            "seq_len": 32,
+        },
+        "heads": {"exit_layers": [1, 2, 3]},
+        "train": {
+            "max_steps": MAX_STEPS,
+            "batch_size": 8,
+            "lr": 3e-3,
+            "warmup_steps": 5,
+            "mixed_precision": "no",
+            "num_threads": 1,
+            "checkpoint_every": 4,
+        },
+        "eval": {"every": 20, "max_rows": 16, "timing_context": 16, "timing_repeats": 3, "max_gamma": 4},
+        "logging": {"log_every": 5},
+    }
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        config[section][leaf] = value
+    path = world["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:  # another test session may run at the same time: never assume 29500 is free
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(world: dict, config: Path, *extra: str, processes: str = "--cpu", background: bool = False):
+    """`accelerate launch ... training/train_heads.py` in a session of its own (killable as a group): the
+    Popen if `background`, else (return code, output), killing the whole group if it runs for 5 minutes."""
+    env = dict(
+        os.environ,
+        HF_DATASETS_CACHE=str(world["root"] / "hf_datasets"),
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="offline",
+        WANDB_DIR=str(world["root"]),
+        WANDB_SILENT="true",
+        OMP_NUM_THREADS="1",
+    )
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", str(free_port()), *processes.split()]
+    command += ["training/train_heads.py", "--config", str(config), *extra]
+    output = subprocess.DEVNULL if background else subprocess.PIPE
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, start_new_session=True, stdout=output, stderr=subprocess.STDOUT, text=True
+    )
+    if background:
+        return process
+    try:
+        out, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every worker it started
+        out, _ = process.communicate()
+        raise AssertionError(f"timed out: {out[-3000:]}") from None
+    return process.returncode, out
+
+
+def summary(world: dict, name: str) -> dict:
+    return json.loads((world["root"] / name / "run" / "training_summary.json").read_text())
+
+
+def heads_state(world: dict, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(world["root"] / name / "heads" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def baseline(world) -> str:
+    """One uninterrupted run with W&B offline."""
+    target_file = world["target"] / "model.safetensors"
+    before = hashlib.sha256(target_file.read_bytes()).hexdigest()
+    code, out = launch(world, write_config(world, "baseline", **{"logging.project": "selfspec-test"}))
+    assert code == 0, out[-3000:]
+    assert hashlib.sha256(target_file.read_bytes()).hexdigest() == before
+    return "baseline"
+
+
+def test_launch_trains_heads_that_load_and_generate_exactly(world, baseline):
+    facts = summary(world, baseline)
+    assert facts["steps"] == MAX_STEPS and facts["processes"] == 1
+    assert facts["target_digest"] == facts["target_digest_before"]  # the frozen target, bit for bit
+    assert [row["draft"] for row in facts["rows"]] == ["exit_1", "exit_2", "exit_3"]
+
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    heads = load_heads(world["root"] / baseline / "heads", ModelAdapter(model))
+    assert isinstance(heads, ExitHeads) and heads.exit_layers == [1, 2, 3]
+    prompt = torch.tensor([[VOCAB[w] for w in "w3 w7 w1 w5".split()]])
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for exit_layer in heads.exit_layers:
+        spec = SelfSpeculative(model, heads=world["root"] / baseline / "heads", exit_layer=exit_layer)
+        out = spec.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(out, expected), exit_layer
+
+    card = (world["root"] / baseline / "heads" / "README.md").read_text()
+    assert "| exit_3 " in card and "train_heads.py" in card
+    assert (world["root"] / baseline / "run" / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
+    checkpoints = sorted(p.name for p in (world["root"] / baseline / "run" / "checkpoints").iterdir())
+    assert checkpoints == [f"step_{MAX_STEPS - 4:06d}", f"step_{MAX_STEPS:06d}"]  # the last two are kept
+
+    (run_log,) = (world["root"] / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = run_log.read_bytes()
+    for key in (
+        "eval/alpha/exit_1",
+        "eval/alpha/exit_2",
+        "eval/alpha/exit_3",
+        "eval/top1/exit_1",
+        "eval/c/exit_1",
+        "eval/speedup/exit_3",
+        "train/tokens_per_s",
+        "alpha_by_depth",
+    ):
+        assert key.encode() in logged, key
+    tables = [json.loads(path.read_text()) for path in run_log.parent.glob("files/media/table/*.table.json")]
+    per_eval = [table for table in tables if "draft" in table["columns"]]  # one per evaluation: steps 0, 20, 40
+    assert len(per_eval) == 3
+    for table in per_eval:
+        assert {"depth", "alpha", "untrained_alpha", "c", "speedup"} <= set(table["columns"])
+        assert [row[table["columns"].index("depth")] for row in table["data"]] == [1, 2, 3]
+    assert any({"lineKey", "lineVal"} <= set(table["columns"]) for table in tables)  # the line plot's series
+
+
+def test_sigkill_then_resume_ends_like_an_uninterrupted_run(world, baseline):
+    config = write_config(world, "killed")
+    checkpoints = world["root"] / "killed" / "run" / "checkpoints"
+    process = launch(world, config, "--report_to", "none", background=True)
+    deadline = time.monotonic() + 240
+    while not list(checkpoints.glob("step_*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    saved = sorted(int(p.name[5:]) for p in checkpoints.glob("step_*"))
+    assert saved and saved[-1] < MAX_STEPS, saved  # killed mid-run
+    assert not (world["root"] / "killed" / "heads").exists()
+
+    code, out = launch(world, config, "--report_to", "none", "--resume")
+    assert code == 0, out[-3000:]
+    assert f"resumed from {checkpoints / f'step_{saved[-1]:06d}'}" in out
+    facts = summary(world, "killed")
+    assert facts["steps"] == MAX_STEPS and len(facts["commands"]) == 2
+    resumed, uninterrupted = heads_state(world, "killed"), heads_state(world, baseline)
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)  # data order included
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    spec = SelfSpeculative(model, heads=world["root"] / "killed" / "heads", exit_layer=2)
+    prompt = torch.tensor([[VOCAB["w4"], VOCAB["w9"]]])
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), expected)
+
+
+def test_two_processes_train_what_one_process_trains(world, baseline):
+    # accelerate 1.15 runs `--cpu --num_processes 2` as ONE process (several CPU processes only via mpirun);
+    # the script refuses that instead of silently training alone.
+    config = write_config(world, "two", **{"eval.every": MAX_STEPS})
+    code, out = launch(world, config, "--report_to", "none", processes="--cpu --num_processes 2")
+    assert code != 0 and "asked for 2 processes but started 1" in out
+    # --multi_gpu on a machine without GPUs: torch.distributed.run, two CPU processes, gloo
+    code, out = launch(world, config, "--report_to", "none", processes="--multi_gpu --num_processes 2")
+    assert code == 0, out[-3000:]
+    assert summary(world, "two")["processes"] == 2
+    checkpoints = world["root"] / "two" / "run" / "checkpoints"  # no half-written folder left behind, ...
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{MAX_STEPS - 4:06d}", f"step_{MAX_STEPS:06d}"]
+    for checkpoint in checkpoints.iterdir():  # ... and each process's random states in every checkpoint
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= {path.name for path in checkpoint.iterdir()}
+    two, one = heads_state(world, "two"), heads_state(world, baseline)
+    for name in one:  # the same total batch: equal up to the order of the gradient all-reduce
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5)
+
+
+def test_profile_command_prints_untrained_and_trained_alpha(world, baseline, capsys):
+    from selfspec.cli import main
+
+    os.environ.setdefault("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    output = world["root"] / "profile"
+    args = ["profile", "--model", str(world["target"]), "--heads", str(world["root"] / baseline / "heads")]
+    args += ["--data", str(world["data"] / "heldout"), "--seq_len", "32", "--max_rows", "8", "--output", str(output)]
+    assert main(args + ["--timing_repeats", "3", "--timing_context", "16", "--max_gamma", "4"]) == 0
+    printed = capsys.readouterr().out
+    for column in ("untrained alpha", "trained alpha", "c", "predicted speedup", "exit_1", "exit_3"):
+        assert column in printed
+    assert (output / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def test_data_formats_render_and_pack(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer()
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "a.txt").write_text("w1 w2 w3\nw4 w5")  # a source file: one document, newlines kept
+    (folder / "b.txt").write_text("w6 w7")
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}))
+    pq.write_table(pa.table({"body": ["w8 w9", "w10"]}), tmp_path / "rows.parquet")
+
+    (folder / "c.log").write_text("w0 w0 w0 w0")
+    rows = load_rows(
+        DataConfig(source=str(folder), exclude=f"{folder}/*.log,{folder}/none*", seq_len=4), tokenizer, split=False
+    )
+    ids = [VOCAB[w] for w in "w1 w2 w3 w4 w5 </s> w6 w7 </s>".split()]
+    assert rows.heldout["input_ids"] == [ids[:4], ids[4:8]]  # packed across documents, remainder dropped
+    chat = load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=2), tokenizer, split=False)
+    assert sum(chat.heldout["input_ids"], []) == [VOCAB[w] for w in "user : w1 assistant : w2".split()]
+    parquet = load_rows(
+        DataConfig(source=str(tmp_path / "rows.parquet"), text_field="body", seq_len=3), tokenizer, split=False
+    )
+    assert parquet.heldout["input_ids"] == [[VOCAB["w8"], VOCAB["w9"], VOCAB["</s>"]]]
+    with pytest.raises(ValueError, match="neither a `text` field"):
+        load_rows(DataConfig(source=str(tmp_path / "rows.parquet"), seq_len=3), tokenizer, split=False)
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        load_rows(DataConfig(source=str(tmp_path / "*.missing")), tokenizer)
+
+
+def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer()
+    for i in range(10):
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(WORDS[i : i + 4]))
+    by_file = load_rows(
+        DataConfig(source=f"{tmp_path}/*.txt", heldout_files=f"{tmp_path}/doc9.txt", seq_len=5), tokenizer
+    )
+    assert by_file.summary["train_documents"] == 9 and by_file.heldout["input_ids"] == [
+        [VOCAB[w] for w in WORDS[9:13] + ["</s>"]]
+    ]
+
+    def heldout(seed: int) -> list:
+        config = DataConfig(source=f"{tmp_path}/*.txt", heldout_fraction=0.3, seed=seed, seq_len=5)
+        return load_rows(config, tokenizer).heldout["input_ids"]
+
+    assert len(heldout(0)) == 3 and heldout(0) == heldout(0) and heldout(0) != heldout(1)
+
+
+# ------------------------------------------------------------------------------- in-process training
+
+
+@pytest.mark.parametrize("kind", ["exit", "medusa"])
+def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch, capsys):
+    from selfspec.config import EvalConfig
+    from selfspec.distill import DistillationObjective, target_pass
+    from selfspec.heads import MedusaHeads
+    from selfspec.profile import format_table, profile_heads, row_tensor
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval().requires_grad_(False)
+    adapter = ModelAdapter(model)
+    config = DataConfig(
+        source=str(world["data"] / "train.jsonl"), heldout_files=str(world["data"] / "heldout"), seq_len=32
+    )
+    rows = load_rows(config, build_tokenizer())
+    torch.manual_seed(0)
+    if kind == "exit":
+        heads = ExitHeads(adapter.fingerprint(), [1, 2, 3])
+    else:
+        heads = MedusaHeads(adapter.fingerprint(), num_heads=2)  # a third head (token t+4) barely learns here
+    objective = DistillationObjective(heads, adapter)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        index = torch.randint(len(rows.train), (8,), generator=generator).tolist()
+        objective(*target_pass(model, row_tensor(rows.train, index))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    heldout = row_tensor(rows.heldout, range(len(rows.heldout)))
+    table = profile_heads(model, heads, heldout, EvalConfig(timing_context=16, timing_repeats=3, max_gamma=3))
+    with capsys.disabled():
+        print(f"\n{kind} heads, 200 steps, {heldout.shape[0]} held-out rows:\n{format_table(table)}")
+    for row in table:
+        assert row["alpha"] > row["untrained_alpha"] + 0.02, row
+
+
+def train_in_process(config: Path) -> None:
+    """training/train_heads.py's main() in this process (no launcher), W&B off."""
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        import train_heads
+
+        train_heads.main(["--config", str(config), "--report_to", "none"])
+    finally:
+        sys.path.remove(str(ROOT / "training"))
+        AcceleratorState._reset_state(True)  # the next Accelerator starts afresh
+
+
+def test_peft_target_trains_in_process_and_stays_frozen(world, tmp_path, monkeypatch):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(world["target"])
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # non-zero: LoRA matters
+    get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    overrides = {"target.adapter_path": str(tmp_path / "adapter"), "heads.exit_layers": [2]}
+    train_in_process(write_config(world, "peft", **overrides, **{"train.max_steps": 4, "eval.every": 4}))
+    facts = summary(world, "peft")
+    assert facts["steps"] == 4 and facts["target_digest"] == facts["target_digest_before"]
+    target = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(world["target"]), tmp_path / "adapter")
+    target.eval()
+    prompt = torch.tensor([[VOCAB["w2"], VOCAB["w11"], VOCAB["w5"]]])
+    expected = target.generate(input_ids=prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    spec = SelfSpeculative(target, heads=world["root"] / "peft" / "heads")
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), expected)
+
+
+def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):
+    from selfspec import MedusaHeads
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    overrides = {"heads.kind": "medusa", "heads.num_heads": 3, "heads.own_lm_head": True}
+    train_in_process(write_config(world, "medusa", **overrides, **{"train.max_steps": 6, "eval.every": 6}))
+    facts = summary(world, "medusa")
+    assert [row["draft"] for row in facts["rows"]] == ["medusa_0", "medusa_1", "medusa_2"]
+    assert [row["gamma"] for row in facts["rows"]] == [1, 2, 3]  # the chain of the first gamma heads
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    heads = load_heads(world["root"] / "medusa" / "heads", ModelAdapter(model))
+    assert isinstance(heads, MedusaHeads) and heads.own_lm_head and heads.num_heads == 3
+    prompt = torch.tensor([[VOCAB["w6"], VOCAB["w0"]]])
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for tree in (None, [[0], [1], [0, 0], [0, 0, 0]]):
+        out = SelfSpeculative(model, heads=heads, tree=tree).generate(
+            prompt, max_new_tokens=20, do_sample=False, eos_token_id=None
+        )
+        assert torch.equal(out, expected), tree

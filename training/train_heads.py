@@ -1,0 +1,366 @@
+"""Train draft heads (exit heads or Medusa heads) on a frozen target by self-distillation.
+
+    accelerate launch --config_file configs/accelerate/cpu.yaml training/train_heads.py \
+        --config configs/train_heads_demo.yaml [--resume] [--report_to none] [--train.lr 3e-4 ...]
+
+One forward of the frozen target per batch gives every hidden state and the target's logits; each draft
+(exit depth or Medusa head) learns KL(p || q) against the target's own distribution (selfspec/distill.py).
+The rows of a step are a pure function of (seed, step, micro-step) and each process takes its slice of
+them, so a resumed run continues exactly and N processes train what one process trains with the same
+total batch. Checkpoints (`accelerator.save_state`) are written to a temporary folder and renamed. The
+heads are written with a model card to `heads_dir`; figures go to the tracker (W&B by default, offline
+without credentials), metrics.jsonl, the console and alpha_by_depth.png in `output_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from selfspec.adapter import ModelAdapter
+from selfspec.config import (
+    TargetConfig,
+    TrainHeadsConfig,
+    config_differences,
+    default_exit_layers,
+    load_config,
+    save_config,
+)
+from selfspec.distill import DistillationObjective, state_digest, target_pass
+from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.profile import (
+    configure_wandb,
+    evaluate,
+    format_table,
+    heads_card,
+    load_rows,
+    measure,
+    plot_alpha,
+    report_rows,
+    row_tensor,
+    untrained_like,
+    wandb_objects,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pretrain_demo_target import (  # noqa: E402  (shared schedule, optimizer and checkpoint folder logic)
+    complete_checkpoints,
+    launch_command,
+    learning_rate_factor,
+    make_optimizer,
+    resolve_mixed_precision,
+    save_checkpoint,
+    truncate_metrics,
+)
+
+
+@dataclass
+class Progress:
+    """Training state besides heads, optimizer and scheduler; saved in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # training wall time summed over all sessions
+    untrained: dict | None = None  # held-out figures of the untrained heads, measured once
+    trained: dict | None = None  # the most recent held-out figures
+    tracker_run_id: str | None = None  # the W&B run that a resumed session continues
+    commands: list[str] = field(default_factory=list)  # the command of every session
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__init__(**state)
+
+
+def load_target(config: TargetConfig, device: torch.device):
+    """(frozen target in eval mode, its tokenizer); a peft adapter is applied on top when configured."""
+    kwargs = {"dtype": "auto" if config.dtype == "auto" else getattr(torch, config.dtype)}
+    if config.device_map is not None:
+        kwargs["device_map"] = config.device_map
+    if config.attn_implementation is not None:
+        kwargs["attn_implementation"] = config.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(config.name_or_path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(config.name_or_path)
+    if config.adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, config.adapter_path)
+    model.requires_grad_(False)
+    if config.device_map is None:
+        model.to(device)
+    return model.eval(), tokenizer
+
+
+def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
+    hc = config.heads
+    if hc.kind == "medusa":
+        heads = MedusaHeads(adapter.fingerprint(), hc.num_heads, hc.num_layers, hc.own_lm_head, hc.num_draft_tokens)
+        heads.init_own_lm_heads(adapter.lm_head)
+        return heads
+    layers = hc.exit_layers or default_exit_layers(adapter.num_layers)
+    return ExitHeads(adapter.fingerprint(), layers, hc.intermediate_size, hc.num_draft_tokens)
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def step_rows(num_rows: int, config: TrainHeadsConfig, step: int, micro: int, process: int, processes: int):
+    """Row indices of one micro-step on one process: the global batch is a pure function of (seed, step,
+    micro) (each epoch a fresh permutation), and process p takes the p-th equal slice of it."""
+    tc = config.train
+    start = (step * tc.gradient_accumulation_steps + micro) * tc.batch_size
+    share = tc.batch_size // processes
+    positions = range(start + process * share, start + (process + 1) * share)
+    return [int(_epoch_order(num_rows, tc.seed, p // num_rows)[p % num_rows]) for p in positions]
+
+
+def check_process_count(accelerator: Accelerator) -> None:
+    """Refuse to run with another process count than `accelerate launch --num_processes` asked for.
+
+    accelerate 1.15 starts `--cpu --num_processes N` as one plain process (multi-process CPU runs go
+    through mpirun, `--mpirun_hostfile`, only), with no warning."""
+    words = shlex.split(launch_command())
+    asked = next((w.split("=", 1)[1] for w in words if w.startswith("--num_processes=")), None)
+    if "--num_processes" in words and words.index("--num_processes") + 1 < len(words):
+        asked = words[words.index("--num_processes") + 1]
+    if asked is not None and asked.isdigit() and int(asked) != accelerator.num_processes:
+        raise SystemExit(
+            f"accelerate launch asked for {asked} processes but started {accelerator.num_processes}. With --cpu, "
+            "accelerate starts several processes only through mpirun (--mpirun_hostfile); on a machine without "
+            f"GPUs use `accelerate launch --multi_gpu --num_processes {asked}` (gloo) or torchrun instead."
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainHeadsConfig]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any config value can be overridden with --section.key value.",
+    )
+    parser.add_argument("--config", help="YAML config (keys as in selfspec/config.py TrainHeadsConfig)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+    parser.add_argument("--report_to", help="shorthand for --logging.report_to (wandb | none)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.report_to is not None:
+        overrides += ["--logging.report_to", args.report_to]
+    return args, load_config(TrainHeadsConfig, args.config, overrides)
+
+
+class Run:
+    """One training session: the accelerator, target, heads, data and the loop."""
+
+    def __init__(self, config: TrainHeadsConfig, resume: bool):
+        self.config = config
+        tc, lc = config.train, config.logging
+        if tc.num_threads is not None:
+            torch.set_num_threads(tc.num_threads)
+        logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+        if lc.report_to == "wandb":
+            configure_wandb(lc.wandb_mode)
+        self.out = Path(config.output_dir)
+        self.accelerator = accelerator = Accelerator(
+            log_with=None if lc.report_to == "none" else lc.report_to,
+            project_dir=str(self.out),
+            mixed_precision=resolve_mixed_precision(tc.mixed_precision),
+            step_scheduler_with_optimizer=False,  # the schedule is per optimizer step
+            # without a GPU, `--multi_gpu` processes would each run alone unless told to use the CPU (gloo)
+            cpu=not torch.accelerator.is_available(),
+        )
+        check_process_count(accelerator)
+        if tc.batch_size % accelerator.num_processes:
+            raise ValueError(
+                f"train.batch_size={tc.batch_size} must be divisible by {accelerator.num_processes} processes"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model, tokenizer = load_target(config.target, accelerator.device)
+        self.adapter = ModelAdapter(self.model)
+        self.target_digest = state_digest(self.model)
+        with accelerator.main_process_first():
+            self.rows = load_rows(config.data, tokenizer)
+        set_seed(tc.seed)
+        self.heads = build_heads(config, self.adapter).to(accelerator.device)
+        objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits)
+        optimizer = make_optimizer(objective, tc)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, tc))
+        self.objective, self.optimizer, self.scheduler = accelerator.prepare(objective, optimizer, scheduler)
+        self.progress = Progress()
+        accelerator.register_for_checkpointing(self.progress)
+        checkpoints = complete_checkpoints(self.out / "checkpoints")
+        if checkpoints and not resume:
+            raise FileExistsError(f"{self.out} already has checkpoints: pass --resume or choose another output_dir")
+        if checkpoints:
+            self.restore(checkpoints[-1])
+        self.progress.commands.append(launch_command())
+        self.process = (accelerator.process_index, accelerator.num_processes)
+        held = config.eval.max_rows
+        self.eval_rows = row_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
+        if accelerator.is_main_process:
+            save_config(config, self.out / "config.yaml")
+
+    def restore(self, checkpoint: Path) -> None:
+        self.accelerator.load_state(str(checkpoint))
+        changed = config_differences(load_config(TrainHeadsConfig, checkpoint / "config.yaml"), self.config)
+        self.accelerator.print(
+            f"resumed from {checkpoint} at step {self.progress.step}"
+            + (f"; config changed since: {', '.join(changed)}" if changed else "")
+        )
+        if self.accelerator.is_main_process:
+            for stale in (self.out / "checkpoints").glob("partial_step_*"):
+                shutil.rmtree(stale)
+            truncate_metrics(self.out / "metrics.jsonl", self.progress.step)
+
+    def evaluate(self, heads: DraftHeads) -> dict:
+        acc = self.accelerator
+
+        def reduce(totals):
+            return acc.reduce(totals, reduction="sum")
+
+        shard = self.eval_rows[acc.process_index :: acc.num_processes]
+        with acc.autocast():
+            scores = evaluate(self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce)
+        return scores["heads"]
+
+    def report(self, costs) -> list[dict]:
+        """Evaluate the heads on the held-out rows; log the figures to the tracker, metrics.jsonl and the plot."""
+        acc, progress = self.accelerator, self.progress
+        progress.trained = self.evaluate(self.heads)
+        rows = report_rows(self.heads, progress.untrained, progress.trained, costs, self.config.eval.max_gamma)
+        record = {"step": progress.step, "tokens_seen": progress.tokens_seen}
+        for row in rows:
+            for key in ("alpha", "top1", "kl", "untrained_alpha", "c", "speedup"):
+                if key in row:  # c and the speedup are measured on the main process only
+                    record[f"eval/{key}/{row['draft']}"] = round(row[key], 5)
+        record["eval/alpha_mean"] = sum(row["alpha"] for row in rows) / len(rows)
+        acc.log(record, step=progress.step)
+        if acc.is_main_process:
+            if self.config.logging.report_to == "wandb":
+                acc.get_tracker("wandb", unwrap=True).log(wandb_objects(rows), step=progress.step)
+            with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            plot_alpha(
+                rows, self.out / "alpha_by_depth.png", f"{self.config.target.name_or_path}, step {progress.step}"
+            )
+        return rows
+
+    def train(self) -> None:
+        config, acc, progress = self.config, self.accelerator, self.progress
+        tc, lc = config.train, config.logging
+        if lc.report_to == "wandb":  # a resumed session continues the same W&B run
+            wandb = {"dir": os.environ.get("WANDB_DIR", str(self.out)), "resume": "allow"}
+            wandb.update(name=lc.run_name or Path(config.heads_dir).name, id=progress.tracker_run_id)
+            acc.init_trackers(lc.project, config=asdict(config), init_kwargs={"wandb": wandb})
+            if acc.is_main_process:
+                progress.tracker_run_id = acc.get_tracker("wandb", unwrap=True).id
+        if progress.untrained is None:
+            progress.untrained = self.evaluate(untrained_like(self.heads))
+        costs = measure(self.adapter, self.heads, self.eval_rows, config.eval) if acc.is_main_process else None
+        rows = self.report(costs) if progress.step == 0 else None  # a resumed run reports at its next evaluation
+        if rows is not None:
+            acc.print(format_table(rows))
+        tokens_per_step = tc.batch_size * tc.gradient_accumulation_steps * config.data.seq_len
+        interactive = sys.stderr.isatty()  # a log file gets a line every 30 s, not every refresh
+        bar = tqdm(
+            total=tc.max_steps,
+            initial=progress.step,
+            disable=not acc.is_main_process,
+            mininterval=0.5 if interactive else 30,
+            maxinterval=10 if interactive else 60,  # tqdm's monitor thread would refresh every 10 s
+            desc="heads",
+        )
+        last_saved, started = progress.step, time.perf_counter()
+        while progress.step < tc.max_steps:
+            loss_sum = torch.zeros((), device=acc.device)
+            for micro in range(tc.gradient_accumulation_steps):
+                index = step_rows(len(self.rows.train), config, progress.step, micro, *self.process)
+                batch = row_tensor(self.rows.train, index).to(acc.device)  # [batch_size / processes, seq_len]
+                with acc.autocast():
+                    hidden_states, logits = target_pass(self.model, batch)
+                with acc.no_sync(self.objective) if micro < tc.gradient_accumulation_steps - 1 else nullcontext():
+                    loss = self.objective(hidden_states, logits).sum() / tc.gradient_accumulation_steps
+                    acc.backward(loss)
+                loss_sum += loss.detach()
+            if tc.grad_clip > 0:
+                acc.clip_grad_norm_(self.objective.parameters(), tc.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            progress.tokens_seen += tokens_per_step
+            now = time.perf_counter()
+            progress.elapsed_s, seconds, started = progress.elapsed_s + now - started, now - started, now
+            bar.update(1)
+            if progress.step % lc.log_every == 0:
+                loss_value = acc.reduce(loss_sum, reduction="mean").item()
+                lr = self.scheduler.get_last_lr()[0]
+                speed = tokens_per_step / seconds
+                acc.log({"train/loss": loss_value, "train/lr": lr, "train/tokens_per_s": speed}, step=progress.step)
+                alpha = sum(s["alpha"] for s in progress.trained.values()) / len(progress.trained)
+                bar.set_postfix(loss=f"{loss_value:.4f}", alpha=f"{alpha:.3f}", refresh=False)
+            if progress.step % config.eval.every == 0 or progress.step == tc.max_steps:
+                rows = self.report(costs)
+                if acc.is_main_process:
+                    bar.write(format_table(rows))
+                started = time.perf_counter()  # evaluation time is not training time
+            if progress.step % tc.checkpoint_every == 0 or progress.step == tc.max_steps:
+                save_checkpoint(acc, config, progress.step)
+                last_saved, started = progress.step, time.perf_counter()
+        bar.close()
+        if last_saved != progress.step:
+            save_checkpoint(acc, config, progress.step)
+        self.finish(rows if rows is not None else self.report(costs))
+
+    def finish(self, rows: list[dict]) -> None:
+        """Check that the target is unchanged, write the heads folder with its card and a summary."""
+        acc, progress, config = self.accelerator, self.progress, self.config
+        digest = state_digest(self.model)
+        if digest != self.target_digest:
+            raise RuntimeError("the target's weights changed during training; the heads are not saved")
+        facts = {
+            "steps": progress.step,
+            "tokens_seen": progress.tokens_seen,
+            "elapsed_s": progress.elapsed_s,
+            "commands": progress.commands,
+            "target_digest": digest,
+            "data": self.rows.summary,
+            "processes": acc.num_processes,
+            "mixed_precision": acc.mixed_precision,
+            "device": f"{acc.device} ({torch.get_num_threads()} threads)"
+            if acc.device.type == "cpu"
+            else str(acc.device),
+        }
+        if acc.is_main_process:
+            heads = acc.unwrap_model(self.objective).heads
+            heads.save_pretrained(config.heads_dir, card=heads_card(config, heads, rows, facts))
+            summary = {**facts, "target_digest_before": self.target_digest, "heads_dir": config.heads_dir, "rows": rows}
+            (self.out / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+            acc.print(f"saved heads to {config.heads_dir} after {progress.step} steps")
+        acc.wait_for_everyone()  # the process group ends when every process is done, not while one still saves
+        acc.end_training()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = parse_args(argv)
+    Run(config, resume=args.resume).train()
+
+
+if __name__ == "__main__":
+    main()
