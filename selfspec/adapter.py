@@ -188,15 +188,15 @@ class ModelAdapter:
                 layer.cumulative_length += rows.shape[1] - old - num_new
             layer.crop(0)
 
-    def tree_attention_mask(self, cache: DynamicCache, start: int, tree, prompt_mask: torch.Tensor | None):
-        # prompt_mask: the 2D mask over the sequence indices before the root (None: nothing padded)
+    def tree_attention_mask(self, cache: DynamicCache, start: int, tree, past_mask: torch.Tensor | None):
         """Float masks `[batch, 1, N+1, kv_length]` for verifying `tree` (a `CandidateTree`) whose root sits
         at sequence index `start`: every node sees the visible past and its own ancestors, within the
         window on sliding layers. One mask per attention type present, sized as that type's layers see
-        the cache; a dict {type: mask} when a model mixes types."""
+        the cache; a dict {type: mask} when a model mixes types. past_mask: the 2D mask [batch, start]
+        over the sequence indices before the root (None: nothing is padded)."""
         count = tree.num_nodes + 1
         node_index = start + tree.depth  # [N+1] sequence index each node stands for
-        batch = 1 if prompt_mask is None else prompt_mask.shape[0]
+        batch = 1 if past_mask is None else past_mask.shape[0]
         masks = {}
         for layer in cache.layers:
             kind = "sliding_attention" if layer.is_sliding else "full_attention"
@@ -210,10 +210,10 @@ class ModelAdapter:
             )[None].expand(batch, -1, -1)  # [batch, N+1, kv_length]
             if layer.is_sliding:
                 visible = visible & (key_index[None, :] > node_index[:, None] - layer.sliding_window)[None]
-            if prompt_mask is not None:  # padding tokens of the prompt stay invisible
-                prompt_keys = max(0, min(prompt_mask.shape[1] - kv_offset, kv_length - count))
+            if past_mask is not None:  # padding stays invisible
+                masked_keys = max(0, min(past_mask.shape[1] - kv_offset, kv_length - count))
                 keys_ok = torch.ones(batch, kv_length, dtype=torch.bool, device=node_index.device)
-                keys_ok[:, :prompt_keys] = prompt_mask[:, kv_offset : kv_offset + prompt_keys].bool()
+                keys_ok[:, :masked_keys] = past_mask[:, kv_offset : kv_offset + masked_keys].bool()
                 visible = visible & keys_ok[:, None, :]
             blocked = torch.finfo(self.dtype).min
             masks[kind] = torch.zeros(visible.shape, dtype=self.dtype, device=node_index.device).masked_fill(

@@ -198,7 +198,7 @@ class SelfSpeculative:
 
     def tree_step(self, call: _Call) -> bool:
         """One Medusa tree iteration: candidates from the heads' top-k, one verify pass with a tree mask,
-        the longest accepted path committed and the cache compacted to it. Returns True when done."""
+        the longest accepted path committed and the cache rearranged to it. Returns True when done."""
         state, setup, tree = call.state, call.setup, self.drafter.tree
         depth = tree.max_depth
         with call.watch.section("draft"):
