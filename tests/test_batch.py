@@ -12,13 +12,13 @@ from selfspec import SelfSpeculative, UnsupportedGenerationArgument
 PAD = 0
 
 
-def assert_rows_exact(model, spec, lengths, seed=0, **kwargs):
+def assert_rows_exact(model, spec, lengths, seed=0, alone=True, **kwargs):
     ids, mask = padded_prompts(lengths, seed)
     kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=PAD, **kwargs)
     expected = model.generate(ids, attention_mask=mask, **kwargs)
     actual = spec.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(actual, expected), f"{model.config.model_type} {lengths}"
-    for row, length in enumerate(lengths):  # and each row as if generated alone
+    for row, length in enumerate(lengths if alone else []):  # and each row as if generated alone
         alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], **kwargs)[0]
         generated = actual[row, ids.shape[1] :]
         assert torch.equal(generated[: alone.shape[0] - length], alone[length:])
@@ -60,7 +60,9 @@ def test_batched_medusa_chain(model):
 def test_batch_with_processors_sees_each_row_as_generate_does():
     model = tiny_model("llama", seed=2)
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=4)
-    assert_rows_exact(model, spec, BATCHES[2], seed=3, repetition_penalty=1.4, no_repeat_ngram_size=3)
+    # equal to the padded batch; not compared with each row alone: before transformers 5.24 the repetition
+    # penalty also counts the padding token of padded rows, so model.generate itself differs there
+    assert_rows_exact(model, spec, BATCHES[2], seed=3, alone=False, repetition_penalty=1.4, no_repeat_ngram_size=3)
 
 
 def test_batch_limits_are_explicit():
