@@ -152,7 +152,7 @@ class MedusaDrafter:
         self._hidden = hidden
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
-        proposals = self.heads.logits(self._hidden, self.adapter)  # [batch, num_heads, V]
+        proposals = self.heads.logits(self._hidden, self.adapter, gamma)  # [batch, G, V]
         return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i])
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
@@ -164,8 +164,8 @@ class MedusaDrafter:
         return logits
 
     def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidate tokens [batch, N] of the tree's nodes, and the heads' logits [batch, num_heads, V]."""
-        proposals = self.heads.logits(self._hidden, self.adapter)
+        """Candidate tokens [batch, N] of the tree's nodes, and the logits [batch, D, V] of the D heads it uses."""
+        proposals = self.heads.logits(self._hidden, self.adapter, self.tree.max_depth)  # [batch, D, V]
         return self.tree.node_tokens(proposals), proposals
 
     def verify_tree(self, state: DecodeState, node_tokens: torch.Tensor) -> torch.Tensor:

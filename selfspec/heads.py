@@ -192,10 +192,11 @@ class MedusaHeads(DraftHeads):
                 for head in self.lm_heads:
                     head.weight.copy_(lm_head.weight)
 
-    def logits(self, hidden: torch.Tensor, adapter: ModelAdapter) -> torch.Tensor:
-        """Proposal logits of every head: normed last hidden state [batch, H] -> [batch, num_heads, V]."""
+    def logits(self, hidden: torch.Tensor, adapter: ModelAdapter, count: int | None = None) -> torch.Tensor:
+        """Proposal logits of the first `count` heads (all by default): normed last hidden state [batch, H]
+        -> [batch, count, V]. A draft of gamma tokens needs only gamma heads' LM-head products."""
         per_head = []
-        for index, blocks in enumerate(self.blocks):
+        for index, blocks in enumerate(self.blocks[:count]):
             state = blocks(hidden)
             per_head.append(adapter.lm_logits(state, self.lm_heads[index] if self.lm_heads is not None else None))
         return torch.stack(per_head, dim=1)

@@ -112,7 +112,7 @@ class FutureOracle(BaseStreamer):
     def end(self):
         pass
 
-    def logits(self, hidden, adapter):
+    def logits(self, hidden, adapter, count=None):
         generator = torch.Generator().manual_seed(self.committed)
         num_heads = 4
         proposals = torch.randn(1, num_heads, self.vocab_size, generator=generator)
