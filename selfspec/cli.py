@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from . import SUPPORTED_ARCHITECTURES, __version__
+from .demo import add_bench_parser, add_demo_parser, run_bench_command, run_demo
 
 
 def add_profile_parser(commands) -> None:
@@ -88,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="selfspec", description="Exact self-speculative decoding for causal LMs.")
     parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="complete held-out code prompts with the bundled demo target")
-    demo.add_argument("--model", help="a model folder to use instead of the bundled demo target")
-    demo.add_argument("--heads", help="a heads folder to use instead of the bundled heads")
+    add_demo_parser(commands)
+    add_bench_parser(commands)
     commands.add_parser("architectures", help="list the supported model types")
     add_profile_parser(commands)
     args = parser.parse_args(argv)
@@ -100,12 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
         return run_profile(args)
     if args.command == "demo":
-        print(
-            "selfspec demo: not built yet. The bundled demo target and its trained heads are still being trained "
-            "(issue: the bundled demo). Run the tests to see the engine at work: pip install -e '.[dev]' && pytest",
-            file=sys.stderr,
-        )
-        return 2
+        return run_demo(args)
+    if args.command == "bench":
+        return run_bench_command(args)
     return 1
 
 

@@ -179,8 +179,10 @@ class DataConfig:
     seed: int = 0  # seeds the held-out split by fraction
     seq_len: int = 256  # tokens per packed row (documents joined by the EOS token, then cut)
     max_documents: int | None = None  # read at most this many training documents (None: all)
+    bad_rows: str = "stop"  # a json/jsonl/parquet row without usable text: stop (naming file and row) or skip it
 
     def __post_init__(self):
+        _one_of("data.bad_rows", self.bad_rows, ("stop", "skip"))
         if not self.source.strip() or self.source.strip() == "hub:":
             raise ValueError("data.source must give file globs or hub:<data set name>")
         if self.heldout_files is None and not 0.0 < self.heldout_fraction < 1.0:

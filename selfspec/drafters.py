@@ -196,9 +196,9 @@ def build_drafter(adapter: ModelAdapter, heads: DraftHeads | None, exit_layer: i
         if exit_layer is not None:
             raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
         tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
-        candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree is not None else None
+        candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree else None  # [] forces a chain
         return MedusaDrafter(adapter, heads, candidates), None, heads.num_heads
-    if tree is not None:
+    if tree:
         raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
     num_layers = adapter.num_layers
     if num_layers < 2:

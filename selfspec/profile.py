@@ -10,10 +10,12 @@ fixed length; a held-out split by file or by a seeded fraction of the documents.
 from __future__ import annotations
 
 import glob
+import json
 import netrc
 import os
 import socket
 import sysconfig
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,10 +88,60 @@ def load_documents(files: list[str], config: DataConfig, tokenizer) -> datasets.
         groups.setdefault(kind, []).append(path)
     parts = []
     for kind, paths in groups.items():
-        options = {"sample_by": "document", "encoding_errors": "replace"} if kind == "text" else {}
-        rows = datasets.load_dataset(kind, data_files=paths, split="train", **options)
+        if kind == "text":
+            options = {"sample_by": "document", "encoding_errors": "replace"}
+            rows = datasets.load_dataset(kind, data_files=paths, split="train", **options)
+        else:
+            rows = datasets.concatenate_datasets([_checked_rows(kind, path, config) for path in paths])
         parts.append(_render(rows, config, tokenizer, f"{kind} files ({paths[0]}, ...)"))
     return datasets.concatenate_datasets(parts)
+
+
+def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
+    """The rows of one json / jsonl / parquet file whose text (or chat messages) is usable. A bad row (not
+    JSON, not an object, no text) stops with its file and row named, or is skipped with a warning
+    (`data.bad_rows`)."""
+    if kind == "parquet":
+        records = datasets.load_dataset("parquet", data_files=path, split="train").to_list()
+        label = "row"
+    elif path.lower().endswith(".jsonl"):
+        records, label = [], "line"
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line) if line.strip() else None)
+                except json.JSONDecodeError as error:
+                    records.append(f"not JSON ({error.msg})")
+    else:
+        records, label = json.loads(Path(path).read_text(encoding="utf-8")), "item"
+        records = records if isinstance(records, list) else [records]
+    kept, bad = [], []
+    for number, record in enumerate(records, 1):
+        if record is None and label == "line":
+            continue  # a blank line
+        problem = record if isinstance(record, str) and label == "line" else _row_problem(record, config)
+        if problem is None:
+            kept.append(record)
+        else:
+            bad.append(f"{label} {number}: {problem}")
+    if bad and config.bad_rows == "stop":
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ValueError(f"{path}, {bad[0]}{more}; set data.bad_rows: skip to leave such rows out")
+    if bad:
+        warnings.warn(f"{path}: skipped {len(bad)} bad row(s), the first at {bad[0]}", stacklevel=2)
+    if not kept:
+        raise ValueError(f"{path}: no usable rows")
+    return datasets.Dataset.from_list(kept)
+
+
+def _row_problem(record, config: DataConfig) -> str | None:
+    if not isinstance(record, dict):
+        return f"not an object ({type(record).__name__})"
+    if isinstance(record.get(config.text_field), str):
+        return None
+    if isinstance(record.get(config.messages_field), list):
+        return None
+    return f"no text: neither a string `{config.text_field}` nor a list `{config.messages_field}`"
 
 
 def pack_documents(documents: datasets.Dataset, tokenizer, seq_len: int) -> datasets.Dataset:

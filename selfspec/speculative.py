@@ -65,11 +65,13 @@ class SelfSpeculative:
         exit_layer: draft with layers 0..exit_layer-1 (1 <= exit_layer < num_hidden_layers). Default: the
             heads' first trained depth, else a quarter of the depth.
         num_draft_tokens: drafts per iteration (gamma); with `adaptive`, the most per iteration. Default:
-            the heads' setting, else 4.
+            the heads' setting, else 4. 0 decodes plainly through selfspec's own loop, one full pass per
+            token and no drafts (a baseline for benchmarks).
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
             the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
-            verified in one pass. Default: the heads' own tree if they carry one, else a chain.
+            verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
+            chain even when the heads carry a tree.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
             down to plain decoding when drafting does not pay (see `selfspec.adaptive`). Default: on when
             `num_draft_tokens` is not given. Chains only; output is exact either way.
@@ -105,12 +107,19 @@ class SelfSpeculative:
         if (
             isinstance(num_draft_tokens, bool)
             or not isinstance(num_draft_tokens, int)
-            or not 1 <= num_draft_tokens <= max_drafts
+            or not 0 <= num_draft_tokens <= max_drafts
         ):
             what = f"the {max_drafts} Medusa heads" if isinstance(heads, MedusaHeads) else "the limit"
             raise ValueError(
-                f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {max_drafts} ({what})."
+                f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {max_drafts} ({what}), "
+                "or 0 for plain decoding."
             )
+        if num_draft_tokens == 0:
+            if adaptive:
+                raise ValueError("adaptive=True needs num_draft_tokens of at least 1 (0 is plain decoding).")
+            if tree:
+                raise ValueError("A tree drafts candidates: it cannot be used with num_draft_tokens=0.")
+            self.adaptive = False
         self.exit_layer = exit_layer
         self.num_draft_tokens = num_draft_tokens
         self.stats: GenerationStats | None = None
@@ -154,7 +163,7 @@ class SelfSpeculative:
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
-        tree = getattr(self.drafter, "tree", None)
+        tree = getattr(self.drafter, "tree", None) if self.num_draft_tokens else None
         if self.adaptive and tree is None:
             call.controller = DraftController(self.num_draft_tokens, self.draft_cost)
         while not finished:

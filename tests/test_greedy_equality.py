@@ -37,6 +37,15 @@ def test_greedy_matches_generate(model):
         assert spec.stats.new_tokens == 40
 
 
+def test_plain_loop_matches_generate(model):
+    """num_draft_tokens=0 is plain decoding through selfspec's loop: one full pass per token, no drafts."""
+    prompt = random_prompt(7, seed=11)
+    expected = model.generate(prompt, max_new_tokens=25, do_sample=False)
+    spec = SelfSpeculative(model, num_draft_tokens=0)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=25, do_sample=False), expected)
+    assert (spec.stats.proposed, spec.stats.target_passes, spec.stats.new_tokens) == (0, 25, 25)
+
+
 def test_each_layer_processes_each_position_once(model):
     """KV reuse: the verify pass runs the lower layers only for the position the draft has not seen,
     so every layer processes the prompt plus (gamma + 1) positions per iteration, lower and upper alike

@@ -319,10 +319,24 @@ def test_data_formats_render_and_pack(tmp_path, monkeypatch):
         DataConfig(source=str(tmp_path / "rows.parquet"), text_field="body", seq_len=3), tokenizer, split=False
     )
     assert parquet.heldout["input_ids"] == [[VOCAB["w8"], VOCAB["w9"], VOCAB["</s>"]]]
-    with pytest.raises(ValueError, match="neither a `text` field"):
+    with pytest.raises(ValueError, match="rows.parquet, row 1: no text: neither a string `text`"):
         load_rows(DataConfig(source=str(tmp_path / "rows.parquet"), seq_len=3), tokenizer, split=False)
     with pytest.raises(FileNotFoundError, match="no file matches"):
         load_rows(DataConfig(source=str(tmp_path / "*.missing")), tokenizer)
+
+
+def test_bad_rows_are_named_then_skipped_or_stop_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer()
+    lines = ['{"text": "w1 w2"}', "{broken", "", '{"title": "w3"}', "[1, 2]", '{"text": "w4 w5"}']
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl, line 2: not JSON .*\(and 2 more\).*data.bad_rows: skip"):
+        load_rows(DataConfig(source=str(tmp_path / "rows.jsonl"), seq_len=2), tokenizer, split=False)
+    with pytest.warns(UserWarning, match=r"rows.jsonl: skipped 3 bad row\(s\), the first at line 2"):
+        rows = load_rows(DataConfig(source=str(tmp_path / "rows.jsonl"), seq_len=2, bad_rows="skip"), tokenizer, False)
+    assert sum(rows.heldout["input_ids"], []) == [VOCAB[w] for w in "w1 w2 </s> w4 w5 </s>".split()]
+    with pytest.raises(ValueError, match="data.bad_rows must be one of"):
+        DataConfig(bad_rows="ignore")
 
 
 def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
@@ -382,7 +396,7 @@ def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, mo
         assert row["alpha"] > row["untrained_alpha"] + 0.02, row
 
 
-def train_in_process(config: Path) -> None:
+def train_in_process(config: Path, *arguments: str) -> None:
     """training/train_heads.py's main() in this process (no launcher), W&B off."""
     from accelerate.state import AcceleratorState
 
@@ -390,7 +404,7 @@ def train_in_process(config: Path) -> None:
     try:
         import train_heads
 
-        train_heads.main(["--config", str(config), "--report_to", "none"])
+        train_heads.main(["--config", str(config), "--report_to", "none", *arguments])
     finally:
         sys.path.remove(str(ROOT / "training"))
         AcceleratorState._reset_state(True)  # the next Accelerator starts afresh
@@ -414,6 +428,30 @@ def test_peft_target_trains_in_process_and_stays_frozen(world, tmp_path, monkeyp
     expected = target.generate(input_ids=prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
     spec = SelfSpeculative(target, heads=world["root"] / "peft" / "heads")
     assert torch.equal(spec.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), expected)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(world, monkeypatch):
+    from selfspec.distill import DistillationObjective
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    calls = {"n": 0}
+    forward = DistillationObjective.forward
+
+    def poisoned(self, *args, **kwargs):  # the 7th step's loss is NaN
+        calls["n"] += 1
+        loss = forward(self, *args, **kwargs)
+        return loss * float("nan") if calls["n"] == 7 else loss
+
+    monkeypatch.setattr(DistillationObjective, "forward", poisoned)
+    config = write_config(world, "nan", **{"heads.exit_layers": [2], "train.max_steps": 12, "eval.every": 12})
+    with pytest.raises(FloatingPointError, match=r"step 7: the loss is not finite.*Last good checkpoint: step 4"):
+        train_in_process(config)
+    checkpoints = world["root"] / "nan" / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004"]  # nothing written after the NaN
+    assert not (world["root"] / "nan" / "heads").exists()
+    monkeypatch.setattr(DistillationObjective, "forward", forward)
+    train_in_process(config, "--resume")  # the kept checkpoint resumes to the end
+    assert summary(world, "nan")["steps"] == 12
 
 
 def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):

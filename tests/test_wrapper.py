@@ -43,7 +43,7 @@ def test_exit_layer_out_of_range(model, exit_layer):
         SelfSpeculative(model, exit_layer=exit_layer)
 
 
-@pytest.mark.parametrize("gamma", [0, -2, 33, 1000, 2.0])
+@pytest.mark.parametrize("gamma", [-1, -2, 33, 1000, 2.0])
 def test_num_draft_tokens_out_of_range(model, gamma):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         SelfSpeculative(model, num_draft_tokens=gamma)

@@ -313,7 +313,34 @@ def export(
         "config": asdict(config),
     }
     (export_dir / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    metrics = Path(config.output_dir) / "metrics.jsonl"
+    if metrics.exists():
+        shutil.copyfile(metrics, export_dir / "pretrain_metrics.jsonl")
+        plot_losses(export_dir / "pretrain_metrics.jsonl", export_dir / "pretrain_loss.png")
     accelerator.print(f"exported step {progress.step} to {export_dir}")
+
+
+def plot_losses(metrics: Path, path: Path) -> None:
+    """PNG: training and held-out loss against tokens seen, from a metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokens = [r["tokens_seen"] / 1e6 for r in records]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(tokens, [r["train_loss"] for r in records], label="training (mean since last evaluation)")
+    axes.plot(tokens, [r["heldout_loss"] for r in records], label="held-out files")
+    axes.set_xlabel("tokens seen (millions)")
+    axes.set_ylabel("next-token loss (nats)")
+    axes.set_ylim(1.0, 5.0)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    axes.set_title("demo target pretraining")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 # Training ----------------------------------------------------------------------------------------

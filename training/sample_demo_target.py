@@ -1,6 +1,8 @@
 """Print greedy completions of held-out standard library files by the demo target.
 
     python training/sample_demo_target.py [--path heads/demo-target | runs/demo_target/checkpoints/step_001000]
+    python training/sample_demo_target.py --write_prompts heads/demo-target/prompts.json --num_prompts 8 \
+        --prompt_chars 600
 
 `--path` is an exported model folder (config.json) or a training checkpoint (config.yaml, whose
 tokenizer is in the run directory). Each prompt is the beginning of a held-out file, cut at a line
@@ -63,13 +65,39 @@ def heldout_prompts(config: Config, count: int, max_chars: int) -> list[tuple[st
     return [(name, text[: text.rfind("\n", 0, max_chars) + 1] or text[:max_chars]) for name, text in chosen]
 
 
+def code_prompts(config: Config, count: int, max_chars: int) -> list[dict]:
+    """Prompts from inside held-out files: up to `max_chars` characters of code ending with the first line of
+    a function (its `def` line, without its line break: byte-level BPE merges a line break with the next
+    line's indentation, so a prompt cut after it would end in a split the model never saw), one per file,
+    from `count` files spread over the held-out list."""
+    root = stdlib_root()
+    _, heldout = split_files(root, config.data.heldout_fraction)
+    texts, _ = read_sources(root, heldout)
+    found = []
+    for path, text in texts.items():
+        cut = text.find("\n    def ", len(text) // 3)  # a method a third of the way in, past the header
+        end = text.find("\n", cut + 1) + 1 if cut > 0 else 0
+        if end > 0:
+            start = text.find("\n", max(0, end - max_chars)) + 1
+            found.append({"file": path.as_posix(), "prompt": text[start : end - 1]})
+    return found[:: max(1, len(found) // count)][:count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", default="heads/demo-target", help="exported folder or checkpoint folder")
     parser.add_argument("--num_prompts", type=int, default=4, help="held-out files to complete")
     parser.add_argument("--prompt_chars", type=int, default=200, help="prompt length in characters (cut at a line)")
     parser.add_argument("--max_new_tokens", type=int, default=96, help="greedy tokens per completion")
+    parser.add_argument("--write_prompts", help="write held-out code prompts (a JSON list) to this file and exit")
     args = parser.parse_args()
+
+    if args.write_prompts:
+        _, _, config = load_model(Path(args.path))
+        prompts = code_prompts(config, args.num_prompts, args.prompt_chars)
+        Path(args.write_prompts).write_text(json.dumps(prompts, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {len(prompts)} prompts to {args.write_prompts}")
+        return
 
     model, tokenizer, config = load_model(Path(args.path))
     model.eval()

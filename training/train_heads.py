@@ -298,6 +298,7 @@ class Run:
                     loss = self.objective(hidden_states, logits).sum() / tc.gradient_accumulation_steps
                     acc.backward(loss)
                 loss_sum += loss.detach()
+            self.check_finite(loss_sum, last_saved)
             if tc.grad_clip > 0:
                 acc.clip_grad_norm_(self.objective.parameters(), tc.grad_clip)
             self.optimizer.step()
@@ -327,6 +328,20 @@ class Run:
         if last_saved != progress.step:
             save_checkpoint(acc, config, progress.step)
         self.finish(rows if rows is not None else self.report(costs))
+
+    def check_finite(self, loss: torch.Tensor, last_saved: int) -> None:
+        """Stop before the optimizer step when any process's loss is NaN or infinite, so that no update made from
+        it reaches the heads or a checkpoint; the last good checkpoint stays on disk for `--resume`."""
+        bad = self.accelerator.reduce((~torch.isfinite(loss)).float(), reduction="sum")
+        if bad.item() > 0:
+            step = self.progress.step + 1
+            kept = f"step {last_saved}" if last_saved else "none yet"
+            raise FloatingPointError(
+                f"training stopped at step {step}: the loss is not finite ({loss.item()}) on "
+                f"{int(bad.item())} process(es); the heads were not updated with it. Last good checkpoint: {kept} "
+                f"in {self.out / 'checkpoints'}. Lower train.lr, set train.mixed_precision: no, or check the data, "
+                "then continue with --resume."
+            )
 
     def finish(self, rows: list[dict]) -> None:
         """Check that the target is unchanged, write the heads folder with its card and a summary."""

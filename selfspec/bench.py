@@ -1,0 +1,298 @@
+"""Side-by-side speed: every contender runs on the same prompts and token budget, interleaved run by run.
+
+Contenders are plain `model.generate` (greedy and sampling), transformers' own assisted modes (its early
+exit, prompt lookup) and selfspec's modes (the plain loop with gamma = 0, early exit with the untrained and
+the trained exit, Medusa chain and tree). Runs interleave (prompt by prompt, the contenders' order rotating
+each repeat), so a machine that slows down or speeds up mid-way affects every contender alike; each figure
+is a median over runs, and each ratio compares figures from the same session.
+
+For each selfspec contender the measured costs are put back into the speedup equation of DESIGN.md section
+1: c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
+and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to the
+speedup realised.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .adaptive import predicted_speedup
+from .heads import ExitHeads, MedusaHeads
+from .speculative import SelfSpeculative
+
+# A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.
+DEFAULT_TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def tree_for(heads: MedusaHeads) -> list[list[int]]:
+    """The heads' own tree, else DEFAULT_TREE cut to their depth."""
+    return heads.tree or [path for path in DEFAULT_TREE if len(path) <= heads.num_heads]
+
+
+@dataclass
+class Contender:
+    """One way of generating. `run(input_ids, max_new_tokens)` returns the output ids; `spec` is the
+    SelfSpeculative behind it (its `stats` describe the last run), None for transformers' own modes."""
+
+    name: str
+    sampling: bool
+    run: Callable[[torch.Tensor, int], torch.Tensor]
+    spec: SelfSpeculative | None = None
+    baseline: bool = False  # plain model.generate: what the speedups are relative to
+    plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v
+    tree: bool = False
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    matched: list[bool] = field(default_factory=list)
+
+
+def generate_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
+    """`model.generate` itself, with transformers' own options (assistant_early_exit, prompt lookup ...)."""
+    settings = {"do_sample": True, "temperature": temperature, "top_k": 0} if sampling else {"do_sample": False}
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        mask = torch.ones_like(input_ids)
+        return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings, **options)
+
+    return Contender(name, sampling, run, baseline=not options)
+
+
+def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
+    """selfspec with `SelfSpeculative(model, **options)`."""
+    spec = SelfSpeculative(model, **options)
+    settings = {"do_sample": True, "temperature": temperature, "top_k": 0} if sampling else {"do_sample": False}
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        mask = torch.ones_like(input_ids)
+        return spec.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings)
+
+    plain = options.get("num_draft_tokens") == 0
+    tree = getattr(spec.drafter, "tree", None) is not None
+    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree)
+
+
+def standard_contenders(
+    model: nn.Module,
+    exit_heads: ExitHeads | None = None,
+    medusa_heads: MedusaHeads | None = None,
+    assistant_exit_layers: list[int] | None = None,
+    temperature: float = 0.8,
+    sampling: bool = True,
+    transformers_modes: bool = True,
+) -> list[Contender]:
+    """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow.
+    Early exit (untrained and trained) runs at the trained heads' first depth ..."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
+    field_ = [generate_contender(model, "generate", False, temperature)]
+    if sampling:
+        field_.append(generate_contender(model, f"generate T={temperature}", True, temperature))
+    if transformers_modes:
+        for layer in assistant_exit_layers or sorted({max(1, num_layers // 4), max(1, num_layers // 2)}):
+            field_.append(generate_contender(model, f"transformers early exit {layer}", False, temperature,
+                                             assistant_early_exit=layer))  # fmt: skip
+        field_.append(generate_contender(model, "transformers prompt lookup", False, temperature,
+                                         prompt_lookup_num_tokens=10))  # fmt: skip
+    field_.append(selfspec_contender(model, "selfspec plain loop", False, temperature, num_draft_tokens=0))
+    field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} untrained", False, temperature,
+                                     exit_layer=exit_layer))  # fmt: skip
+    if exit_heads is not None:
+        for layer in exit_heads.exit_layers:
+            field_.append(selfspec_contender(model, f"selfspec exit {layer} trained", False, temperature,
+                                             heads=exit_heads, exit_layer=layer))  # fmt: skip
+    if medusa_heads is not None:
+        tree = tree_for(medusa_heads)
+        field_.append(selfspec_contender(model, "selfspec medusa chain", False, temperature,
+                                         heads=medusa_heads, tree=[]))  # fmt: skip
+        field_.append(selfspec_contender(model, "selfspec medusa tree", False, temperature,
+                                         heads=medusa_heads, tree=tree))  # fmt: skip
+        if sampling:
+            field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}", True, temperature,
+                                             heads=medusa_heads, tree=[]))  # fmt: skip
+    elif sampling:
+        field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} T={temperature}", True, temperature,
+                                         heads=exit_heads, exit_layer=exit_layer))  # fmt: skip
+    return field_
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def run_bench(
+    contenders: list[Contender],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    repeats: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """Run every contender on every prompt `repeats` times, interleaved; return one summary per contender."""
+    from tqdm.auto import tqdm
+
+    device = prompts[0].device
+    for contender in contenders:  # warm-up: first-call allocations and lazy initialisation are not timed
+        contender.run(prompts[0], min(8, max_new_tokens))
+    bar = tqdm(total=repeats * len(prompts) * len(contenders), desc="bench", disable=not progress, leave=False)
+    for repeat in range(repeats):
+        for index, prompt in enumerate(prompts):
+            reference = None
+            order = contenders[repeat % len(contenders) :] + contenders[: repeat % len(contenders)]
+            outputs = {}
+            for contender in order:
+                torch.manual_seed(seed + 1000 * repeat + index)
+                _synchronize(device)
+                started = time.perf_counter()
+                output = contender.run(prompt, max_new_tokens)
+                _synchronize(device)
+                contender.seconds.append(time.perf_counter() - started)
+                contender.tokens.append(output.shape[1] - prompt.shape[1])
+                if contender.spec is not None:
+                    contender.stats.append(contender.spec.stats.to_dict())
+                outputs[contender.name] = output
+                bar.update(1)
+            reference = next(outputs[c.name] for c in contenders if c.baseline and not c.sampling)
+            for contender in contenders:
+                if not contender.sampling:
+                    contender.matched.append(torch.equal(outputs[contender.name], reference))
+    bar.close()
+    return summarize(contenders)
+
+
+def _rate(contender: Contender) -> float:
+    return statistics.median(t / s for t, s in zip(contender.tokens, contender.seconds, strict=True))
+
+
+def summarize(contenders: list[Contender]) -> list[dict]:
+    """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
+    baselines = {c.sampling: _rate(c) for c in contenders if c.baseline}
+    plain = next((c for c in contenders if c.plain_loop), None)
+    step = statistics.median(s / t for t, s in zip(plain.tokens, plain.seconds, strict=True)) if plain else None
+    rows = []
+    for contender in contenders:
+        rate = _rate(contender)
+        row = {
+            "contender": contender.name,
+            "sampling": contender.sampling,
+            "tokens_per_s": rate,
+            "speedup": rate / baselines.get(contender.sampling, baselines[False]),
+            "matched": all(contender.matched) if contender.matched else None,
+            "runs": len(contender.seconds),
+        }
+        if contender.stats:
+            row.update(_acceptance(contender, step))
+        rows.append(row)
+    return rows
+
+
+def _acceptance(contender: Contender, step: float | None) -> dict:
+    """Acceptance and costs over all runs of one selfspec contender, and the equation's prediction."""
+    counted = [key for key, value in contender.stats[0].items() if isinstance(value, int | float) and key != "alpha"]
+    total = {key: sum(s[key] for s in contender.stats) for key in counted}
+    alphas = [s["alpha"] for s in contender.stats if s["alpha"] == s["alpha"]]  # NaN when nothing was drafted
+    out = {
+        "alpha_hat": total["accepted"] / total["proposed"] if total["proposed"] else None,
+        "alpha": statistics.fmean(alphas) if alphas else None,
+        "tokens_per_pass": total["new_tokens"] / total["row_passes"],
+        "gamma": total["proposed"] / total["iterations"] if total["iterations"] else 0.0,
+    }
+    if step and total["iterations"]:
+        passes = total["iterations"]
+        out["c"] = total["draft_seconds"] / total["proposed"] / step if total["proposed"] else None
+        out["v"] = total["verify_seconds"] / passes / step
+        if out["alpha"] is not None and not contender.tree:
+            gamma = max(1, round(out["gamma"]))
+            out["predicted_speedup"] = predicted_speedup(out["alpha"], gamma, out["c"], out["v"])
+        out["plain_loop_speedup"] = step * total["new_tokens"] / sum(contender.seconds)
+    return out
+
+
+COLUMNS = [
+    ("contender", "contender", "{}"),
+    ("tokens_per_s", "tokens/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("matched", "greedy match", "{}"),
+    ("alpha_hat", "alpha_hat", "{:.3f}"),
+    ("alpha", "alpha", "{:.3f}"),
+    ("tokens_per_pass", "tokens/pass", "{:.2f}"),
+    ("gamma", "mean gamma", "{:.2f}"),
+    ("c", "c", "{:.3f}"),
+    ("v", "v", "{:.2f}"),
+    ("predicted_speedup", "predicted", "{:.2f}x"),
+    ("plain_loop_speedup", "realised vs plain loop", "{:.2f}x"),
+]
+
+
+def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
+    """The summaries as a Markdown table ('-' where a figure does not apply)."""
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        if key == "matched":
+            return "yes" if value else "NO"
+        return fmt.format(value)
+
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    lines += ["| " + " | ".join(cell(row, key, fmt) for key, _, fmt in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: list[dict], path: str | Path, title: str) -> None:
+    """PNG: horizontal bars of the realised speedup per contender, the predicted one as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = [row["contender"] for row in rows][::-1]
+    figure, axes = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
+    axes.barh(names, [row["speedup"] for row in rows][::-1], color="tab:blue", label="realised")
+    predicted = [(i, row["predicted_speedup"]) for i, row in enumerate(rows[::-1]) if row.get("predicted_speedup")]
+    if predicted:
+        axes.plot([p for _, p in predicted], [i for i, _ in predicted], "k|", markersize=14, label="predicted")
+    axes.axvline(1.0, color="grey", linewidth=1)
+    axes.set_xlabel("speedup over model.generate (same sampling mode)")
+    axes.set_title(title)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_json(rows: list[dict], path: str | Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n", encoding="utf-8")
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .json list (strings, or objects with a `prompt` or `text` field) or a .jsonl file."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        items = json.loads(text)
+    elif path.suffix == ".jsonl":
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        raise ValueError(f"{path}: prompts must be a .json list or a .jsonl file, one prompt per line")
+    prompts = []
+    for number, item in enumerate(items, 1):
+        prompt = item if isinstance(item, str) else (item.get("prompt") or item.get("text"))
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: item {number} has no prompt (a string, or a `prompt` or `text` field)")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts

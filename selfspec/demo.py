@@ -1,0 +1,210 @@
+"""`selfspec demo` and `selfspec bench`: load a target and its heads, run the contenders, report.
+
+The demo completes a few held-out code prompts with the bundled demo target (heads/demo-target, trained by
+this project) three ways: plain `model.generate`, selfspec early exit with the trained exit heads and
+selfspec Medusa; it prints the completions, checks that the greedy outputs are identical, and reports
+tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .bench import (
+    COLUMNS,
+    Contender,
+    generate_contender,
+    load_prompts,
+    markdown_table,
+    plot_speedups,
+    run_bench,
+    selfspec_contender,
+    standard_contenders,
+    tree_for,
+    write_json,
+)
+from .heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+
+BUNDLED = Path(__file__).resolve().parent.parent / "heads" / "demo-target"
+DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
+    where = f" (default: the bundled demo target, {BUNDLED})" if bundled else ""
+    parser.add_argument("--model", required=not bundled, help=f"the target: a model folder or hub name{where}")
+    parser.add_argument(
+        "--heads", action="append", help="a trained heads folder for the model (exit or Medusa); repeat for both"
+    )
+    parser.add_argument("--prompts", help="prompts: a .json list or a .jsonl file (default: the model's prompts.json)")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--num_threads", type=int, help="torch CPU threads (1 on a busy machine)")
+    parser.add_argument("--output", help="folder for the PNG and JSON files")
+
+
+def load_target(args: argparse.Namespace, bundled: bool):
+    """(model, tokenizer, heads by kind, prompt strings) from the command line, with clear errors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .adapter import ModelAdapter
+
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    path = args.model or BUNDLED
+    if args.model is None and not (BUNDLED / "config.json").exists():
+        raise SystemExit(
+            f"The bundled demo target is not at {BUNDLED}: run the demo from a clone of the selfspec repository "
+            "(pip install -e .), or pass --model and --heads."
+        )
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    heads_paths = args.heads
+    if heads_paths is None and args.model is None:
+        heads_paths = [str(BUNDLED / "exit-heads"), str(BUNDLED / "medusa-heads")]
+    adapter = ModelAdapter(model)
+    heads: dict[type, DraftHeads] = {}
+    for heads_path in heads_paths or []:
+        loaded = load_heads(heads_path, adapter)
+        if type(loaded) in heads:
+            raise SystemExit(f"--heads: two {type(loaded).__name__} folders given; pass one of each kind")
+        heads[type(loaded)] = loaded.to(device=adapter.device, dtype=adapter.dtype)
+    prompts_path = Path(args.prompts) if args.prompts else Path(path) / "prompts.json"
+    if not prompts_path.exists():
+        raise SystemExit(f"No prompts: {prompts_path} does not exist; pass --prompts FILE (.json or .jsonl)")
+    return model, tokenizer, heads, load_prompts(prompts_path)
+
+
+def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
+    return [tokenizer(prompt, return_tensors="pt").input_ids.to(device) for prompt in prompts]
+
+
+def demo_contenders(model, heads: dict) -> list[Contender]:
+    exit_heads, medusa = heads.get(ExitHeads), heads.get(MedusaHeads)
+    contenders = [generate_contender(model, "model.generate", False, 1.0)]
+    if exit_heads is not None:
+        layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+        contenders.append(selfspec_contender(model, f"selfspec exit {layer} (trained)", False, 1.0,
+                                             heads=exit_heads, exit_layer=layer))  # fmt: skip
+    else:
+        contenders.append(selfspec_contender(model, "selfspec early exit (untrained)", False, 1.0))
+    if medusa is not None:
+        contenders.append(selfspec_contender(model, "selfspec medusa chain", False, 1.0, heads=medusa, tree=[]))
+        contenders.append(
+            selfspec_contender(model, "selfspec medusa tree", False, 1.0, heads=medusa, tree=tree_for(medusa))
+        )
+    return contenders
+
+
+def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
+    """Analytic alpha per exit depth, untrained exit next to trained heads, on the given token sequences."""
+    from .adapter import ModelAdapter
+    from .profile import evaluate, report_rows, untrained_like
+
+    adapter = ModelAdapter(model)
+    length = min(s.shape[-1] for s in sequences)
+    rows = torch.cat([s[..., :length].reshape(1, -1) for s in sequences])
+    scores = evaluate(model, adapter, {"untrained": untrained_like(heads), "trained": heads}, rows, batch_size=4)
+    return report_rows(heads, scores["untrained"], scores["trained"], None, max_gamma=0)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .profile import format_table, plot_alpha
+
+    model, tokenizer, heads, prompts = load_target(args, bundled=True)
+    prompts = prompts[: args.num_prompts]
+    inputs = encode(tokenizer, prompts, model.device)
+    contenders = demo_contenders(model, heads)
+    print(f"{args.model or BUNDLED}: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy")
+    rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=1)
+    plain = contenders[0]
+    outputs = [plain.run(ids, args.max_new_tokens) for ids in inputs]  # untimed, to show the text
+    for prompt, ids, output in zip(prompts, inputs, outputs, strict=True):
+        tail = "\n".join(prompt.rstrip("\n").splitlines()[-4:])
+        completion = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+        print(f"\n----- prompt (last lines) -----\n{tail}\n----- completion -----\n{completion}")
+    print("\n" + markdown_table(rows, [c for c in COLUMNS if c[0] in DEMO_COLUMNS]))
+    identical = all(row["matched"] for row in rows if row["matched"] is not None)
+    print(
+        "\nGreedy outputs identical to model.generate: "
+        + ("yes, for every prompt and mode." if identical else "NO: this is a bug, please report it.")
+    )
+    output_dir = Path(args.output or "runs/demo")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if ExitHeads in heads:
+        depth_rows = alpha_by_depth(model, heads[ExitHeads], outputs)
+        print("\nalpha per exit depth on these prompts and completions:\n" + format_table(depth_rows))
+        plot_alpha(depth_rows, output_dir / "alpha_by_depth.png", "demo target: alpha per exit depth")
+        print(f"plot: {output_dir / 'alpha_by_depth.png'}")
+    return 0 if identical else 1
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    import platform
+
+    import transformers
+
+    model, tokenizer, heads, prompts = load_target(args, bundled=True)
+    prompts = prompts[: args.num_prompts]
+    inputs = encode(tokenizer, prompts, model.device)
+    layers = [int(x) for x in args.assistant_exit_layers.split(",")] if args.assistant_exit_layers else None
+    contenders = standard_contenders(
+        model,
+        heads.get(ExitHeads),
+        heads.get(MedusaHeads),
+        assistant_exit_layers=layers,
+        temperature=args.temperature,
+        sampling=not args.no_sampling,
+        transformers_modes=not args.no_transformers,
+    )
+    rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+    table = markdown_table(rows)
+    print(table)
+    output = Path(args.output or "runs/bench")
+    output.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else None,
+        "model": str(args.model or BUNDLED),
+        "heads": [str(h) for h in args.heads or []],
+        "prompts": len(inputs),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    write_json(rows, output / "bench.json", meta)
+    (output / "bench.md").write_text(table + "\n", encoding="utf-8")
+    plot_speedups(rows, output / "bench.png", f"{Path(str(args.model or BUNDLED)).name} on {meta['device']}")
+    print(f"wrote {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
+    mismatched = [row["contender"] for row in rows if row["matched"] is False]
+    if mismatched:
+        print(f"GREEDY OUTPUT DIFFERS from model.generate: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_demo_parser(commands) -> None:
+    demo = commands.add_parser("demo", help="complete held-out code prompts with the bundled demo target")
+    add_model_arguments(demo, bundled=True)
+    demo.add_argument("--num_prompts", type=int, default=3, help="prompts to complete")
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="tokens/s of selfspec's modes against model.generate and its peers")
+    add_model_arguments(bench, bundled=True)
+    bench.add_argument("--num_prompts", type=int, default=8, help="prompts used (the first N)")
+    bench.add_argument("--repeats", type=int, default=2, help="runs per prompt and contender (medians reported)")
+    bench.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling contenders")
+    bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
+    bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
+    bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")

@@ -1,0 +1,123 @@
+"""`selfspec bench` and `selfspec demo` on tiny models: every contender runs, greedy outputs are checked
+against `model.generate`, the figures are consistent with the statistics they come from, files are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_medusa import medusa_heads
+from tiny_models import random_prompt, tiny_model
+from transformers import PreTrainedTokenizerFast
+
+from selfspec import ExitHeads
+from selfspec.adapter import ModelAdapter
+from selfspec.bench import Contender, load_prompts, markdown_table, run_bench, standard_contenders
+from selfspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=4)
+
+
+def test_every_contender_runs_and_greedy_ones_match(model):
+    exit_heads = ExitHeads(ModelAdapter(model).fingerprint(), [1, 2])
+    contenders = standard_contenders(model, exit_heads, medusa_heads(model), assistant_exit_layers=[2])
+    prompts = [random_prompt(5, seed=1), random_prompt(9, seed=2)]
+    rows = run_bench(contenders, prompts, max_new_tokens=12, repeats=2, progress=False)
+    names = [row["contender"] for row in rows]
+    assert names == [
+        "generate",
+        "generate T=0.8",
+        "transformers early exit 2",
+        "transformers prompt lookup",
+        "selfspec plain loop",
+        "selfspec exit 1 untrained",
+        "selfspec exit 1 trained",
+        "selfspec exit 2 trained",
+        "selfspec medusa chain",
+        "selfspec medusa tree",
+        "selfspec medusa chain T=0.8",
+    ]
+    by_name = {row["contender"]: row for row in rows}
+    for row in rows:
+        assert row["runs"] == 4 and row["tokens_per_s"] > 0
+        assert row["matched"] is (None if row["sampling"] else True), row["contender"]
+    assert by_name["generate"]["speedup"] == 1.0 and by_name["generate T=0.8"]["speedup"] == 1.0
+    plain = by_name["selfspec plain loop"]
+    assert plain["tokens_per_pass"] == 1.0 and plain["alpha_hat"] is None and plain["gamma"] == 0
+    medusa = by_name["selfspec medusa chain"]
+    assert 1.0 <= medusa["tokens_per_pass"] <= 5.0 and 0.0 <= medusa["alpha_hat"] <= 1.0
+    assert medusa["c"] > 0 and medusa["v"] > 0 and medusa["predicted_speedup"] > 0
+    assert "predicted_speedup" not in by_name["selfspec medusa tree"]  # the chain equation does not apply
+    table = markdown_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "| selfspec medusa tree |" in table
+
+
+def test_a_wrong_output_is_reported_as_a_mismatch(model):
+    def wrong(input_ids, max_new_tokens):
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out[0, -1] = (out[0, -1] + 1) % model.config.vocab_size
+        return out
+
+    def right(input_ids, max_new_tokens):
+        return model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+
+    contenders = [Contender("generate", False, right, baseline=True), Contender("broken", False, wrong)]
+    rows = run_bench(contenders, [random_prompt(4, seed=3)], max_new_tokens=6, progress=False)
+    assert [row["matched"] for row in rows] == [True, False]
+    assert "| broken |" in markdown_table(rows) and "NO" in markdown_table(rows)
+
+
+def test_prompt_files_are_checked(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps(["a", {"prompt": "b"}, {"text": "c"}]))
+    assert load_prompts(tmp_path / "p.json") == ["a", "b", "c"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n\n{"text": ""}\n')
+    with pytest.raises(ValueError, match="item 2 has no prompt"):
+        load_prompts(tmp_path / "p.jsonl")
+    (tmp_path / "p.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"\.json list or a \.jsonl file"):
+        load_prompts(tmp_path / "p.txt")
+
+
+def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t3", pad_token="t0")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    heads = ExitHeads(ModelAdapter(model).fingerprint(), [2])
+    torch.manual_seed(0)
+    heads.save_pretrained(tmp_path / "exit")
+    medusa_heads(model, num_heads=3).save_pretrained(tmp_path / "medusa")
+    (tmp_path / "model" / "prompts.json").write_text(json.dumps(["t5 t9 t2 t7", "t1 t1 t4"]))
+    common = [
+        "--model",
+        str(tmp_path / "model"),
+        "--heads",
+        str(tmp_path / "exit"),
+        "--heads",
+        str(tmp_path / "medusa"),
+    ]
+    common += ["--max_new_tokens", "10"]
+
+    assert main(["demo", *common, "--output", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "Greedy outputs identical to model.generate: yes" in out
+    assert "| selfspec exit 2 (trained) |" in out and "| selfspec medusa chain |" in out
+    assert (tmp_path / "demo" / "alpha_by_depth.png").stat().st_size > 0
+
+    assert main(["bench", *common, "--repeats", "1", "--no_transformers", "--output", str(tmp_path / "b")]) == 0
+    result = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert result["meta"]["prompts"] == 2 and result["meta"]["max_new_tokens"] == 10
+    assert {row["contender"] for row in result["results"]} >= {"generate", "selfspec medusa tree"}
+    assert (tmp_path / "b" / "bench.png").stat().st_size > 0 and (tmp_path / "b" / "bench.md").exists()
+
+    with pytest.raises(SystemExit, match="two ExitHeads folders"):
+        main(["demo", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "exit"), "--heads",
+              str(tmp_path / "exit")])  # fmt: skip
