@@ -1,6 +1,7 @@
 """selfspec: exact self-speculative decoding for Hugging Face causal language models."""
 
 from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
+from .drafters import frequent_tokens
 from .generation import UnsupportedGenerationArgument
 from .heads import DraftHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
 from .speculative import SelfSpeculative
@@ -19,5 +20,6 @@ __all__ = [
     "SelfSpeculative",
     "UnsupportedGenerationArgument",
     "UnsupportedModelError",
+    "frequent_tokens",
     "load_heads",
 ]

@@ -61,6 +61,23 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+@dataclass
+class DraftVocabulary:
+    """q restricted to a subset of tokens: their rows of the LM head, copied once (N x hidden extra memory),
+    so a draft token's LM-head product reads N rows instead of the whole vocabulary. Tokens outside get
+    -inf, which the accept-reject rule handles exactly (q is zero there; the residual covers them)."""
+
+    ids: torch.Tensor  # [N] sorted token ids
+    weight: torch.Tensor  # [N, H]
+    bias: torch.Tensor | None  # [N]
+    vocab_size: int
+
+    def spread(self, partial: torch.Tensor) -> torch.Tensor:
+        """[..., N] logits of the subset -> [..., V] with -inf elsewhere."""
+        full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, partial)
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What heads record about the target they were trained on."""
@@ -299,13 +316,32 @@ class ModelAdapter:
                 else:
                     layer.forward = previous
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, vocab: DraftVocabulary | None = None) -> torch.Tensor:
         """The model's own final norm and LM head (with its logit soft-capping) on `hidden`."""
-        return self.lm_logits(self.final_norm(hidden))
+        return self.lm_logits(self.final_norm(hidden), vocab=vocab)
 
-    def lm_logits(self, normed: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """The LM head (the model's own unless another is given) and the model's soft-capping."""
-        logits = (lm_head or self.lm_head)(normed)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+    def lm_logits(
+        self, normed: torch.Tensor, lm_head: nn.Module | None = None, vocab: DraftVocabulary | None = None
+    ) -> torch.Tensor:
+        """The LM head (the model's own unless another is given) and the model's soft-capping; with a draft
+        `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf."""
+        if vocab is not None and lm_head is None:
+            return vocab.spread(self._softcap(nn.functional.linear(normed, vocab.weight, vocab.bias)))
+        if vocab is not None:
+            raise ValueError("A reduced draft vocabulary applies to the model's own LM head, not to a head's own.")
+        return self._softcap((lm_head or self.lm_head)(normed))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    def draft_vocabulary(self, token_ids) -> DraftVocabulary:
+        """A reduced draft vocabulary of these token ids (see `DraftVocabulary`)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted, no repeats
+        if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
+            raise ValueError(f"draft_vocab must list token ids from 0 to {self.vocab_size - 1} (got {ids.numel()} ids)")
+        ids = ids.to(self.device)
+        bias = getattr(self.lm_head, "bias", None)
+        with torch.no_grad():
+            weight = self.lm_head.weight.index_select(0, ids)
+            bias = bias.index_select(0, ids) if bias is not None else None
+        return DraftVocabulary(ids, weight, bias, self.vocab_size)

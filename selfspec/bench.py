@@ -88,9 +88,11 @@ def standard_contenders(
     temperature: float = 0.8,
     sampling: bool = True,
     transformers_modes: bool = True,
+    draft_vocab: list[int] | None = None,
 ) -> list[Contender]:
-    """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow.
-    Early exit (untrained and trained) runs at the trained heads' first depth ..."""
+    """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
+    the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
+    `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts."""
     num_layers = model.config.get_text_config().num_hidden_layers
     exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
     field_ = [generate_contender(model, "generate", False, temperature)]
@@ -109,15 +111,26 @@ def standard_contenders(
         for layer in exit_heads.exit_layers:
             field_.append(selfspec_contender(model, f"selfspec exit {layer} trained", False, temperature,
                                              heads=exit_heads, exit_layer=layer))  # fmt: skip
+        if draft_vocab is not None:
+            layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+            field_.append(selfspec_contender(model, f"selfspec exit {layer} trained, vocab {len(draft_vocab)}", False,
+                                             temperature, heads=exit_heads, exit_layer=layer,
+                                             draft_vocab=draft_vocab))  # fmt: skip
     if medusa_heads is not None:
         tree = tree_for(medusa_heads)
         field_.append(selfspec_contender(model, "selfspec medusa chain", False, temperature,
                                          heads=medusa_heads, tree=[]))  # fmt: skip
         field_.append(selfspec_contender(model, "selfspec medusa tree", False, temperature,
                                          heads=medusa_heads, tree=tree))  # fmt: skip
+        if draft_vocab is not None:
+            size = len(draft_vocab)
+            field_.append(selfspec_contender(model, f"selfspec medusa chain, vocab {size}", False, temperature,
+                                             heads=medusa_heads, tree=[], draft_vocab=draft_vocab))  # fmt: skip
+            field_.append(selfspec_contender(model, f"selfspec medusa tree, vocab {size}", False, temperature,
+                                             heads=medusa_heads, tree=tree, draft_vocab=draft_vocab))  # fmt: skip
         if sampling:
             field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}", True, temperature,
-                                             heads=medusa_heads, tree=[]))  # fmt: skip
+                                             heads=medusa_heads, tree=[], draft_vocab=draft_vocab))  # fmt: skip
     elif sampling:
         field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} T={temperature}", True, temperature,
                                          heads=exit_heads, exit_layer=exit_layer))  # fmt: skip

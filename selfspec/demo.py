@@ -9,6 +9,7 @@ tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a P
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -45,10 +46,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--num_threads", type=int, help="torch CPU threads (1 on a busy machine)")
     parser.add_argument("--output", help="folder for the PNG and JSON files")
+    parser.add_argument(
+        "--draft_vocab",
+        help="a JSON list of token ids for reduced-vocabulary drafts (default: the model's draft_vocab.json if it "
+        "has one; 'none' for full-vocabulary drafts only)",
+    )
 
 
 def load_target(args: argparse.Namespace, bundled: bool):
-    """(model, tokenizer, heads by kind, prompt strings) from the command line, with clear errors."""
+    """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .adapter import ModelAdapter
@@ -77,27 +83,33 @@ def load_target(args: argparse.Namespace, bundled: bool):
     prompts_path = Path(args.prompts) if args.prompts else Path(path) / "prompts.json"
     if not prompts_path.exists():
         raise SystemExit(f"No prompts: {prompts_path} does not exist; pass --prompts FILE (.json or .jsonl)")
-    return model, tokenizer, heads, load_prompts(prompts_path)
+    vocab_path = Path(args.draft_vocab) if args.draft_vocab not in (None, "none") else Path(path) / "draft_vocab.json"
+    if args.draft_vocab is not None and args.draft_vocab != "none" and not vocab_path.exists():
+        raise SystemExit(f"--draft_vocab: {vocab_path} does not exist")
+    use_vocab = args.draft_vocab != "none" and vocab_path.exists()
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8")) if use_vocab else None
+    return model, tokenizer, heads, load_prompts(prompts_path), vocab
 
 
 def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
     return [tokenizer(prompt, return_tensors="pt").input_ids.to(device) for prompt in prompts]
 
 
-def demo_contenders(model, heads: dict) -> list[Contender]:
+def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
+    """model.generate, then selfspec with the trained heads (reduced-vocabulary drafts when given)."""
     exit_heads, medusa = heads.get(ExitHeads), heads.get(MedusaHeads)
+    suffix = f", vocab {len(vocab)}" if vocab else ""
     contenders = [generate_contender(model, "model.generate", False, 1.0)]
     if exit_heads is not None:
         layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
-        contenders.append(selfspec_contender(model, f"selfspec exit {layer} (trained)", False, 1.0,
-                                             heads=exit_heads, exit_layer=layer))  # fmt: skip
+        contenders.append(selfspec_contender(model, f"selfspec exit {layer} trained{suffix}", False, 1.0,
+                                             heads=exit_heads, exit_layer=layer, draft_vocab=vocab))  # fmt: skip
     else:
-        contenders.append(selfspec_contender(model, "selfspec early exit (untrained)", False, 1.0))
+        contenders.append(selfspec_contender(model, f"selfspec exit untrained{suffix}", False, 1.0, draft_vocab=vocab))
     if medusa is not None:
-        contenders.append(selfspec_contender(model, "selfspec medusa chain", False, 1.0, heads=medusa, tree=[]))
-        contenders.append(
-            selfspec_contender(model, "selfspec medusa tree", False, 1.0, heads=medusa, tree=tree_for(medusa))
-        )
+        for mode, tree in (("chain", []), ("tree", tree_for(medusa))):
+            contenders.append(selfspec_contender(model, f"selfspec medusa {mode}{suffix}", False, 1.0,
+                                                 heads=medusa, tree=tree, draft_vocab=vocab))  # fmt: skip
     return contenders
 
 
@@ -116,10 +128,10 @@ def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> li
 def run_demo(args: argparse.Namespace) -> int:
     from .profile import format_table, plot_alpha
 
-    model, tokenizer, heads, prompts = load_target(args, bundled=True)
+    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
-    contenders = demo_contenders(model, heads)
+    contenders = demo_contenders(model, heads, vocab)
     print(f"{args.model or BUNDLED}: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy")
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=1)
     plain = contenders[0]
@@ -149,7 +161,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     import transformers
 
-    model, tokenizer, heads, prompts = load_target(args, bundled=True)
+    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
     layers = [int(x) for x in args.assistant_exit_layers.split(",")] if args.assistant_exit_layers else None
@@ -161,6 +173,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         sampling=not args.no_sampling,
         transformers_modes=not args.no_transformers,
+        draft_vocab=vocab,
     )
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     table = markdown_table(rows)
@@ -171,6 +184,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "command": "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else None,
         "model": str(args.model or BUNDLED),
         "heads": [str(h) for h in args.heads or []],
+        "draft_vocab": len(vocab) if vocab else None,
         "prompts": len(inputs),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,

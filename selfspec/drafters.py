@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from .adapter import DraftVocabulary, ModelAdapter
 from .heads import DraftHeads, MedusaHeads
 from .state import DecodeState
 from .tree import CandidateTree
@@ -64,10 +64,17 @@ class EarlyExitDrafter:
 
     needs_hidden = False  # drafts from the lower layers, not from the target's last hidden state
 
-    def __init__(self, adapter: ModelAdapter, exit_layer: int, head: nn.Module | None = None):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        exit_layer: int,
+        head: nn.Module | None = None,
+        vocab: DraftVocabulary | None = None,
+    ):
         self.adapter = adapter
         self.exit_layer = exit_layer
         self.head = head
+        self.vocab = vocab
         self._hidden: list[torch.Tensor] = []
 
     def estimated_cost(self) -> float:
@@ -76,12 +83,14 @@ class EarlyExitDrafter:
         layers = [sum(p.numel() for p in layer.parameters()) for layer in self.adapter.layers]
         head = sum(p.numel() for p in self.adapter.lm_head.parameters())
         extra = sum(p.numel() for p in self.head.parameters()) if self.head is not None else 0
-        return (sum(layers[: self.exit_layer]) + extra + head) / (sum(layers) + head)
+        return (sum(layers[: self.exit_layer]) + extra + draft_head_size(self.adapter, self.vocab)) / (
+            sum(layers) + head
+        )
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             hidden = self.head(hidden)
-        return self.adapter.head_logits(hidden)
+        return self.adapter.head_logits(hidden, self.vocab)
 
     def _lower(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Layers 0..k-1 over `tokens` [batch, n] at sequence indices start..start+n-1."""
@@ -132,9 +141,18 @@ class MedusaDrafter:
 
     needs_hidden = True  # every target pass hands its last normed hidden state to `observe`
 
-    def __init__(self, adapter: ModelAdapter, heads: MedusaHeads, tree: CandidateTree | None = None):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        heads: MedusaHeads,
+        tree: CandidateTree | None = None,
+        vocab: DraftVocabulary | None = None,
+    ):
+        if vocab is not None and heads.own_lm_head:
+            raise ValueError("draft_vocab applies to the shared LM head; these Medusa heads have their own LM heads.")
         self.adapter = adapter
         self.heads = heads
+        self.vocab = vocab
         self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
         self._verified: torch.Tensor | None = None  # [batch, G+1, H]
@@ -145,14 +163,16 @@ class MedusaDrafter:
         layers = sum(p.numel() for p in self.adapter.layers.parameters())
         head = sum(p.numel() for p in self.adapter.lm_head.parameters())
         per_head = sum(p.numel() for p in self.heads.parameters()) / self.heads.num_heads
-        return (per_head + (0 if self.heads.own_lm_head else head)) / (layers + head)
+        return (per_head + (0 if self.heads.own_lm_head else draft_head_size(self.adapter, self.vocab))) / (
+            layers + head
+        )
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The normed hidden state [batch, H] whose LM-head output gave the pending token."""
         self._hidden = hidden
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
-        proposals = self.heads.logits(self._hidden, self.adapter, gamma)  # [batch, G, V]
+        proposals = self.heads.logits(self._hidden, self.adapter, gamma, self.vocab)  # [batch, G, V]
         return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i])
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
@@ -165,7 +185,7 @@ class MedusaDrafter:
 
     def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate tokens [batch, N] of the tree's nodes, and the logits [batch, D, V] of the D heads it uses."""
-        proposals = self.heads.logits(self._hidden, self.adapter, self.tree.max_depth)  # [batch, D, V]
+        proposals = self.heads.logits(self._hidden, self.adapter, self.tree.max_depth, self.vocab)  # [batch, D, V]
         return self.tree.node_tokens(proposals), proposals
 
     def verify_tree(self, state: DecodeState, node_tokens: torch.Tensor) -> torch.Tensor:
@@ -189,7 +209,31 @@ class MedusaDrafter:
         self._hidden = self._hidden[rows]
 
 
-def build_drafter(adapter: ModelAdapter, heads: DraftHeads | None, exit_layer: int | None, tree: list | None):
+def frequent_tokens(token_ids, count: int, always=()) -> torch.Tensor:
+    """The `count` most frequent token ids in `token_ids` (a tensor, or an iterable of tensors, e.g. your
+    tokenised data), plus `always` (e.g. the EOS id): a draft vocabulary for `SelfSpeculative(draft_vocab=)`.
+    Ties go to the smaller id; the result is sorted."""
+    parts = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    flat = torch.cat([torch.as_tensor(part).flatten() for part in parts]).long()
+    counts = torch.bincount(flat)
+    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))[:count]
+    return torch.tensor(sorted(set(order) | {int(i) for i in always}), dtype=torch.long)
+
+
+def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None) -> int:
+    """Parameters of the LM head a draft token reads: all of it, or the draft vocabulary's rows."""
+    if vocab is None:
+        return sum(p.numel() for p in adapter.lm_head.parameters())
+    return vocab.weight.numel() + (vocab.bias.numel() if vocab.bias is not None else 0)
+
+
+def build_drafter(
+    adapter: ModelAdapter,
+    heads: DraftHeads | None,
+    exit_layer: int | None,
+    tree: list | None,
+    vocab: DraftVocabulary | None = None,
+):
     """The drafter for these heads (None: the untrained exit), the exit layer it uses (None for Medusa)
     and the most drafts it can propose per iteration. Raises ValueError on settings that do not fit."""
     if isinstance(heads, MedusaHeads):
@@ -197,7 +241,7 @@ def build_drafter(adapter: ModelAdapter, heads: DraftHeads | None, exit_layer: i
             raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
         tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
         candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree else None  # [] forces a chain
-        return MedusaDrafter(adapter, heads, candidates), None, heads.num_heads
+        return MedusaDrafter(adapter, heads, candidates, vocab), None, heads.num_heads
     if tree:
         raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
     num_layers = adapter.num_layers
@@ -211,4 +255,4 @@ def build_drafter(adapter: ModelAdapter, heads: DraftHeads | None, exit_layer: i
             f"exit_layer must be an integer from 1 to {num_layers - 1}."
         )
     head = heads.head_for(exit_layer) if heads is not None else None
-    return EarlyExitDrafter(adapter, exit_layer, head), exit_layer, MAX_DRAFT_TOKENS
+    return EarlyExitDrafter(adapter, exit_layer, head, vocab), exit_layer, MAX_DRAFT_TOKENS

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .adapter import ModelAdapter, ModelFingerprint
+from .adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -192,13 +192,21 @@ class MedusaHeads(DraftHeads):
                 for head in self.lm_heads:
                     head.weight.copy_(lm_head.weight)
 
-    def logits(self, hidden: torch.Tensor, adapter: ModelAdapter, count: int | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        adapter: ModelAdapter,
+        count: int | None = None,
+        vocab: DraftVocabulary | None = None,
+    ) -> torch.Tensor:
         """Proposal logits of the first `count` heads (all by default): normed last hidden state [batch, H]
-        -> [batch, count, V]. A draft of gamma tokens needs only gamma heads' LM-head products."""
+        -> [batch, count, V]. A draft of gamma tokens needs only gamma heads' LM-head products; a draft
+        `vocab` narrows each to that vocabulary's rows."""
         per_head = []
         for index, blocks in enumerate(self.blocks[:count]):
             state = blocks(hidden)
-            per_head.append(adapter.lm_logits(state, self.lm_heads[index] if self.lm_heads is not None else None))
+            own = self.lm_heads[index] if self.lm_heads is not None else None
+            per_head.append(adapter.lm_logits(state, own, vocab))
         return torch.stack(per_head, dim=1)
 
 

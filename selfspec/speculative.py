@@ -77,6 +77,9 @@ class SelfSpeculative:
             `num_draft_tokens` is not given. Chains only; output is exact either way.
         draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.
             Default: estimated from the weights each draft token reads.
+        draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
+            product reads only their rows (copied once), which lowers c when the vocabulary is a large share
+            of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class SelfSpeculative:
         tree: list[list[int]] | None = None,
         adaptive: bool | None = None,
         draft_cost: float | None = None,
+        draft_vocab=None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -96,7 +100,8 @@ class SelfSpeculative:
         self.heads = heads
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
-        self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree)
+        vocab = self.adapter.draft_vocabulary(draft_vocab) if draft_vocab is not None else None
+        self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree, vocab)
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
         self.draft_cost = self.drafter.estimated_cost() if draft_cost is None else draft_cost
         if not self.draft_cost >= 0:

@@ -24,7 +24,10 @@ def model():
 
 def test_every_contender_runs_and_greedy_ones_match(model):
     exit_heads = ExitHeads(ModelAdapter(model).fingerprint(), [1, 2])
-    contenders = standard_contenders(model, exit_heads, medusa_heads(model), assistant_exit_layers=[2])
+    vocab = list(range(0, model.config.vocab_size, 2))
+    contenders = standard_contenders(
+        model, exit_heads, medusa_heads(model), assistant_exit_layers=[2], draft_vocab=vocab
+    )
     prompts = [random_prompt(5, seed=1), random_prompt(9, seed=2)]
     rows = run_bench(contenders, prompts, max_new_tokens=12, repeats=2, progress=False)
     names = [row["contender"] for row in rows]
@@ -37,8 +40,11 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         "selfspec exit 1 untrained",
         "selfspec exit 1 trained",
         "selfspec exit 2 trained",
+        "selfspec exit 2 trained, vocab 48",
         "selfspec medusa chain",
         "selfspec medusa tree",
+        "selfspec medusa chain, vocab 48",
+        "selfspec medusa tree, vocab 48",
         "selfspec medusa chain T=0.8",
     ]
     by_name = {row["contender"]: row for row in rows}
@@ -96,6 +102,7 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     heads.save_pretrained(tmp_path / "exit")
     medusa_heads(model, num_heads=3).save_pretrained(tmp_path / "medusa")
     (tmp_path / "model" / "prompts.json").write_text(json.dumps(["t5 t9 t2 t7", "t1 t1 t4"]))
+    (tmp_path / "model" / "draft_vocab.json").write_text(json.dumps(list(range(0, 96, 3))))
     common = [
         "--model",
         str(tmp_path / "model"),
@@ -109,7 +116,7 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert main(["demo", *common, "--output", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "Greedy outputs identical to model.generate: yes" in out
-    assert "| selfspec exit 2 (trained) |" in out and "| selfspec medusa chain |" in out
+    assert "| selfspec exit 2 trained, vocab 32 |" in out and "| selfspec medusa tree, vocab 32 |" in out
     assert (tmp_path / "demo" / "alpha_by_depth.png").stat().st_size > 0
 
     assert main(["bench", *common, "--repeats", "1", "--no_transformers", "--output", str(tmp_path / "b")]) == 0

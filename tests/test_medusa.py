@@ -112,7 +112,7 @@ class FutureOracle(BaseStreamer):
     def end(self):
         pass
 
-    def logits(self, hidden, adapter, count=None):
+    def logits(self, hidden, adapter, count=None, vocab=None):
         generator = torch.Generator().manual_seed(self.committed)
         num_heads = 4
         proposals = torch.randn(1, num_heads, self.vocab_size, generator=generator)
@@ -161,7 +161,6 @@ def test_tree_with_left_padding_and_processors():
 @pytest.mark.parametrize(
     "tree,message",
     [
-        ([], "at least one path"),
         ([[0], [0]], "twice"),
         ([[0, 1]], "no parent"),
         ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "only 4 heads"),
@@ -174,3 +173,20 @@ def test_bad_trees_are_refused(tree, message):
         SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), tree=tree)
     with pytest.raises(ValueError, match="needs Medusa heads"):
         SelfSpeculative(model, tree=[[0]])
+
+
+def test_an_empty_tree_forces_a_chain_over_the_heads_default_tree():
+    model = tiny_model("llama")
+    heads = medusa_heads(model, num_heads=3)
+    heads.tree = [[0], [1], [0, 0]]
+    assert SelfSpeculative(model, heads=heads).drafter.tree is not None
+    chain = SelfSpeculative(model, heads=heads, tree=[])
+    assert chain.drafter.tree is None
+    prompt = random_prompt(5, seed=8)
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(chain.generate(prompt, max_new_tokens=20, do_sample=False), expected)
+    assert chain.stats.proposed > 0  # drafted as a chain
+    with pytest.raises(ValueError, match="at least one path"):
+        from selfspec.tree import CandidateTree
+
+        CandidateTree.from_paths([])

@@ -56,7 +56,7 @@ class Lookahead(BaseStreamer):
     def end(self):
         self.sequence = None  # the next call starts from its prompt
 
-    def logits(self, hidden, adapter, count=None):
+    def logits(self, hidden, adapter, count=None, vocab=None):
         ids, length = self.sequence, self.sequence.shape[1]
         for _ in range(self.num_heads):  # full passes, no cache: independent of selfspec's own
             scores = self.model(ids).logits[0, -1].float()

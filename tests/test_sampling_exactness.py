@@ -116,6 +116,14 @@ def test_medusa_chain_sampling_is_distributed_as_the_target(model):
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 
+def test_reduced_draft_vocabulary_sampling_is_distributed_as_the_target(model):
+    """q supported on 2 of the 4 tokens: the other two are reached only through the residual."""
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_vocab=[0, 2])
+    law = exact_law(model, temperature=0.9)
+    pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.9), law)
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
 TREE = [[0], [1], [0, 0]]  # few candidates in a 4-token vocabulary, so rejections stay common
 
 

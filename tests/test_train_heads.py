@@ -260,6 +260,47 @@ def test_sigkill_then_resume_ends_like_an_uninterrupted_run(world, baseline):
     assert torch.equal(spec.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), expected)
 
 
+KILL_DURING_SECOND_CHECKPOINT = """
+import os, signal, sys
+sys.path.insert(0, "training")
+import accelerate
+original = accelerate.Accelerator.save_state
+calls = []
+
+def save_then_die(self, output_dir=None, **kwargs):
+    calls.append(output_dir)
+    result = original(self, output_dir, **kwargs)
+    if len(calls) == 2:  # the second checkpoint: half of one file written, then SIGKILL before the rename
+        victim = os.path.join(output_dir, sorted(os.listdir(output_dir))[0])
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+accelerate.Accelerator.save_state = save_then_die
+import train_heads
+train_heads.main(["--config", sys.argv[1], "--report_to", "none"])
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(world, baseline, monkeypatch):
+    config = write_config(world, "killed_in_write")
+    env = dict(os.environ, HF_DATASETS_CACHE=str(world["root"] / "hf_datasets"), OMP_NUM_THREADS="1")
+    process = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SECOND_CHECKPOINT, str(config)], cwd=ROOT, env=env, capture_output=True
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+    checkpoints = world["root"] / "killed_in_write" / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["partial_step_000008", "step_000004"]
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    train_in_process(config, "--resume")
+    assert not (checkpoints / "partial_step_000008").exists()
+    facts = summary(world, "killed_in_write")
+    assert facts["steps"] == MAX_STEPS
+    resumed, uninterrupted = heads_state(world, "killed_in_write"), heads_state(world, baseline)
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
 def test_two_processes_train_what_one_process_trains(world, baseline):
     # accelerate 1.15 runs `--cpu --num_processes 2` as ONE process (several CPU processes only via mpirun);
     # the script refuses that instead of silently training alone.

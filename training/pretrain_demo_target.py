@@ -34,6 +34,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from selfspec import frequent_tokens
 from selfspec.config import config_differences, load_config, save_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -280,10 +281,9 @@ def truncate_metrics(path: Path, step: int) -> None:
 # Export ------------------------------------------------------------------------------------------
 
 
-def export(
-    accelerator: Accelerator, model, tokenizer, config: Config, progress: Progress, corpus_manifest: dict
-) -> None:
-    """Float16 safetensors model, tokenizer, generation config and training_summary.json in export_dir."""
+def export(accelerator: Accelerator, model, tokenizer, config: Config, progress: Progress, corpus) -> None:
+    """Float16 safetensors model, tokenizer, generation config, training_summary.json, the loss curve and a
+    draft vocabulary in export_dir."""
     state = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
@@ -306,18 +306,28 @@ def export(
         "commands": progress.commands,
         "parameters": sum(p.numel() for p in fresh.parameters()),
         "corpus": {
-            key: corpus_manifest[key]
+            key: corpus.manifest[key]
             for key in ("python", "train_files", "heldout_files", "train_tokens", "heldout_tokens", "skipped")
         },
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "config": asdict(config),
     }
     (export_dir / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_draft_vocab(corpus.train, export_dir / "draft_vocab.json", eot)
     metrics = Path(config.output_dir) / "metrics.jsonl"
     if metrics.exists():
         shutil.copyfile(metrics, export_dir / "pretrain_metrics.jsonl")
         plot_losses(export_dir / "pretrain_metrics.jsonl", export_dir / "pretrain_loss.png")
     accelerator.print(f"exported step {progress.step} to {export_dir}")
+
+
+DRAFT_VOCAB_SIZE = 2048  # covers 88% of the training tokens (and 89% of the held-out ones) of the shipped target
+
+
+def write_draft_vocab(train: np.ndarray, path: Path, eos: int, count: int = DRAFT_VOCAB_SIZE) -> None:
+    """The `count` most frequent training tokens (and EOS), a JSON list for SelfSpeculative(draft_vocab=...)."""
+    ids = frequent_tokens(torch.from_numpy(np.asarray(train, dtype=np.int64)), count, always=[eos])
+    path.write_text(json.dumps(ids.tolist()) + "\n", encoding="utf-8")
 
 
 def plot_losses(metrics: Path, path: Path) -> None:
@@ -454,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         if not checkpoints:
             raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to export")
         restore_checkpoint(accelerator, config, checkpoints[-1], progress)
-        export(accelerator, model, corpus.tokenizer, config, progress, corpus.manifest)
+        export(accelerator, model, corpus.tokenizer, config, progress, corpus)
         return
     if checkpoints and not args.resume:
         raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume or choose another output_dir")
@@ -471,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         save_config(config, run_dir / "config.yaml")
     train(accelerator, model, optimizer, scheduler, corpus, config, progress)
-    export(accelerator, model, corpus.tokenizer, config, progress, corpus.manifest)
+    export(accelerator, model, corpus.tokenizer, config, progress, corpus)
 
 
 if __name__ == "__main__":
