@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from . import SUPPORTED_ARCHITECTURES, __version__
-from .demo import add_bench_parser, add_demo_parser, run_bench_command, run_demo
+from .demo import add_bench_parser, add_demo_parser, add_tune_parser, run_bench_command, run_demo, run_tune_command
 
 
 def add_profile_parser(commands) -> None:
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     add_demo_parser(commands)
     add_bench_parser(commands)
+    add_tune_parser(commands)
     commands.add_parser("architectures", help="list the supported model types")
     add_profile_parser(commands)
     args = parser.parse_args(argv)
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args)
     if args.command == "bench":
         return run_bench_command(args)
+    if args.command == "tune":
+        return run_tune_command(args)
     return 1
 
 

@@ -222,3 +222,60 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
     bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+
+
+def add_tune_parser(commands) -> None:
+    tune = commands.add_parser(
+        "tune", help="pick exit layer, gamma and tree from measured alpha, c and v; write them into the heads"
+    )
+    add_model_arguments(tune, bundled=True)
+    tune.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
+    tune.add_argument("--max_gamma", type=int, default=8, help="largest gamma considered for early exit")
+    tune.add_argument("--do_sample", action="store_true", help="tune for sampling (default: greedy)")
+    tune.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions of c and v (median)")
+    tune.add_argument("--measure_grid", action="store_true", help="also time the candidates against model.generate")
+    tune.add_argument("--dry_run", action="store_true", help="print the choice without writing it into the heads")
+
+
+def run_tune_command(args: argparse.Namespace) -> int:
+    from .heads import CARD_NAME
+    from .tune import apply_choice, format_choices, tune, tuned_card
+
+    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
+    if not heads:
+        raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
+    inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
+    paths = args.heads or [str(BUNDLED / "exit-heads"), str(BUNDLED / "medusa-heads")]
+    for path, draft_heads in zip(paths, heads.values(), strict=True):
+        choices = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
+                       args.timing_repeats, vocab)  # fmt: skip
+        measured = (
+            measure_grid(model, draft_heads, choices, inputs, args.max_new_tokens, vocab) if args.measure_grid else None
+        )
+        table = format_choices(choices, measured)
+        best = choices[0]
+        print(f"\n{path}:\n{table}\n\nchoice: {best.label}, predicted speedup {best.predicted:.2f}x")
+        if measured:
+            top = max(measured.values())
+            print(f"measured: the choice {measured[best.label]:.2f}x, the best candidate {top:.2f}x "
+                  f"({measured[best.label] / top:.1%} of it)")  # fmt: skip
+        if best.predicted <= 1.0:
+            print("no configuration is predicted to beat plain decoding here; adaptive drafting will fall back to it")
+        if not args.dry_run:
+            apply_choice(draft_heads, best)
+            card_path = Path(path) / CARD_NAME
+            card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
+            command = "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else "selfspec tune"
+            draft_heads.save_pretrained(path, card=tuned_card(card, table, best, command))
+            print(f"wrote the defaults into {Path(path) / 'config.json'}")
+    return 0
+
+
+def measure_grid(model, heads, choices, inputs, max_new_tokens: int, vocab) -> dict[str, float]:
+    """Realised speedup over model.generate of a grid of the candidates (gamma 1, 2, 3, 4, 6, 8 and trees)."""
+    grid = [c for c in choices if c.tree is not None or c.gamma in (1, 2, 3, 4, 6, 8)]
+    contenders = [generate_contender(model, "generate", False, 1.0)]
+    contenders += [selfspec_contender(model, c.label, False, 1.0, draft_vocab=vocab, heads=heads, **c.options())
+                   for c in grid]  # fmt: skip
+    rows = run_bench(contenders, inputs, max_new_tokens)
+    return {row["contender"]: row["speedup"] for row in rows[1:]}

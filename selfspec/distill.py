@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .adapter import ModelAdapter
+from .adapter import DraftVocabulary, ModelAdapter
 from .adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
 from .heads import DraftHeads, ExitHeads, MedusaHeads
 
@@ -249,13 +249,19 @@ def _timed(run: Callable[[object], object], state: object, device: torch.device)
 
 @torch.no_grad()
 def measure_costs(
-    adapter: ModelAdapter, heads: DraftHeads, tokens: torch.Tensor, repeats: int = 20, max_gamma: int = 0
+    adapter: ModelAdapter,
+    heads: DraftHeads,
+    tokens: torch.Tensor,
+    repeats: int = 20,
+    max_gamma: int = 0,
+    vocab: DraftVocabulary | None = None,
 ) -> Costs:
     """Time one-token steps after a cached context `tokens[:, :n - max(max_gamma, 1) - 1]` ([1, n] ids).
 
     Full step: all layers for one token. Exit depth k: layers 0..k-1 and exit head k for one token. Medusa:
     all heads on one hidden state (they run together, once per iteration). v(gamma), gamma = 1..max_gamma:
-    one full pass over gamma+1 new positions. Every call starts from a copy of the same prefilled cache;
+    one full pass over gamma+1 new positions. Drafts read only a reduced `vocab`'s LM-head rows when given.
+    Every call starts from a copy of the same prefilled cache;
     the calls are interleaved within each repetition, so that load on a shared machine slows all of them
     alike, and the median over `repeats` (after two warm-up rounds) is kept.
     """
@@ -276,11 +282,11 @@ def measure_costs(
     def exit_draft(k: int):
         ids, positions = after(1)
         block = heads.head_for(k)
-        return lambda fresh_cache: adapter.head_logits(block(adapter.run_lower(ids, positions, fresh_cache, k)))
+        return lambda fresh_cache: adapter.head_logits(block(adapter.run_lower(ids, positions, fresh_cache, k)), vocab)
 
     calls: dict[object, Callable[[object], object]] = {"step": full(1)}
     if isinstance(heads, MedusaHeads):
-        calls["medusa"] = lambda _: heads.logits(hidden[:, -1], adapter)
+        calls["medusa"] = lambda _: heads.logits(hidden[:, -1], adapter, vocab=vocab)
     else:
         calls.update({f"exit_{k}": exit_draft(k) for k in heads.exit_layers})
     calls.update({gamma: full(gamma + 1) for gamma in range(1, max_gamma + 1)})

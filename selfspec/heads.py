@@ -97,6 +97,7 @@ class ExitHeads(DraftHeads):
         exit_layers: list[int],
         intermediate_size: int | None = None,
         num_draft_tokens: int | None = None,
+        exit_layer: int | None = None,
     ):
         super().__init__(fingerprint, num_draft_tokens)
         if not exit_layers:
@@ -112,10 +113,13 @@ class ExitHeads(DraftHeads):
         self.heads = nn.ModuleDict(
             {str(layer): ExitHead(fingerprint.hidden_size, self.intermediate_size) for layer in self.exit_layers}
         )
+        if exit_layer is not None and exit_layer not in self.exit_layers:
+            raise ValueError(f"default exit_layer {exit_layer} is not one of the trained depths {self.exit_layers}.")
+        self.exit_layer = exit_layer  # the default depth (`selfspec tune` writes it); None: the first trained one
 
     @property
     def default_exit_layer(self) -> int:
-        return self.exit_layers[0]
+        return self.exit_layer if self.exit_layer is not None else self.exit_layers[0]
 
     def head_for(self, exit_layer: int) -> ExitHead:
         if str(exit_layer) not in self.heads:
@@ -129,6 +133,7 @@ class ExitHeads(DraftHeads):
             "exit_layers": self.exit_layers,
             "intermediate_size": self.intermediate_size,
             "num_draft_tokens": self.num_draft_tokens,
+            "exit_layer": self.exit_layer,
         }
 
 

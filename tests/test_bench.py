@@ -11,7 +11,7 @@ from test_medusa import medusa_heads
 from tiny_models import random_prompt, tiny_model
 from transformers import PreTrainedTokenizerFast
 
-from selfspec import ExitHeads
+from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
 from selfspec.bench import Contender, load_prompts, markdown_table, run_bench, standard_contenders
 from selfspec.cli import main
@@ -125,6 +125,54 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert {row["contender"] for row in result["results"]} >= {"generate", "selfspec medusa tree"}
     assert (tmp_path / "b" / "bench.png").stat().st_size > 0 and (tmp_path / "b" / "bench.md").exists()
 
+    assert (
+        main(["tune", *common, "--num_prompts", "1", "--timing_repeats", "2", "--max_gamma", "3", "--measure_grid"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "choice: " in out and "measured: the choice" in out
+    assert json.loads((tmp_path / "exit" / "config.json").read_text())["num_draft_tokens"] in (1, 2, 3)
+    assert "## Tuned defaults" in (tmp_path / "medusa" / "README.md").read_text()
+
     with pytest.raises(SystemExit, match="two ExitHeads folders"):
         main(["demo", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "exit"), "--heads",
               str(tmp_path / "exit")])  # fmt: skip
+
+
+def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path):
+    from selfspec import load_heads
+    from selfspec.tune import apply_choice, prefix_acceptance, tune, tuned_card
+
+    adapter = ModelAdapter(model)
+    heads = ExitHeads(adapter.fingerprint(), [1, 3])
+    prompts = [random_prompt(6, seed=5), random_prompt(11, seed=6)]
+    choices = tune(model, heads, prompts, max_new_tokens=16, max_gamma=4, timing_repeats=2)
+    assert len(choices) == 2 * 4  # every exit depth with gamma 1..4
+    assert [c.predicted for c in choices] == sorted((c.predicted for c in choices), reverse=True)
+    for choice in choices:
+        assert 1.0 <= choice.tokens_per_pass <= choice.gamma + 1
+        assert choice.cost == pytest.approx(choice.v + choice.gamma * choice.c)
+        assert choice.predicted == pytest.approx(choice.tokens_per_pass / choice.cost)
+    by_depth = {}
+    for choice in choices:
+        by_depth.setdefault(choice.exit_layer, []).append(choice)
+    for depth_choices in by_depth.values():  # E grows with gamma: each extra draft adds P_i >= 0
+        ordered = sorted(depth_choices, key=lambda c: c.gamma)
+        assert all(a.tokens_per_pass <= b.tokens_per_pass for a, b in zip(ordered, ordered[1:], strict=False))
+    assert prefix_acceptance({"proposed_per_position": [10, 10], "accepted_per_position": [6, 3]}, 3) == [
+        0.6,
+        0.3,
+        0.0,
+    ]
+
+    best = choices[0]
+    apply_choice(heads, best)
+    heads.save_pretrained(tmp_path / "h", card=tuned_card("# card\n\nbody\n", "| t |", best, "selfspec tune"))
+    loaded = load_heads(tmp_path / "h", adapter)
+    assert loaded.exit_layer == best.exit_layer and loaded.num_draft_tokens == best.gamma
+    spec = SelfSpeculative(model, heads=loaded)
+    assert spec.exit_layer == best.exit_layer and spec.num_draft_tokens == best.gamma
+    card = (tmp_path / "h" / "README.md").read_text()
+    assert card.startswith("# card\n\nbody") and card.count("## Tuned defaults") == 1
+    again = tuned_card(card, "| u |", best, "selfspec tune")
+    assert again.count("## Tuned defaults") == 1 and "| u |" in again and "| t |" not in again

@@ -1,0 +1,175 @@
+"""`selfspec tune`: choose the exit layer, gamma and tree from the speedup equation, on your data and machine.
+
+For each draft (an exit depth, or the Medusa heads) it measures
+- the acceptance by draft position: drafting `max_gamma` tokens per iteration on the prompts, the share of
+  iterations in which the first i drafts were all accepted, P_i (greedy, or sampled with `do_sample`), so
+  that E(gamma) = 1 + P_1 + ... + P_gamma tokens per pass without assuming i.i.d. acceptances;
+- c, the time of one draft token over one plain decoding step, and v(gamma), one full pass over gamma+1
+  positions over one plain step (`selfspec.distill.measure_costs`; v is timed for a full pass, which
+  slightly overstates an early-exit verify, whose lower layers run for one position only);
+- for Medusa trees, the tokens per pass of each candidate tree, measured, at the cost v(nodes) + depth c.
+
+The choice maximises S = E / (v + gamma c) (DESIGN.md section 1). `--measure_grid` then times every
+candidate side by side with `model.generate` and reports the tuned point against the best measured one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .adapter import ModelAdapter
+from .bench import DEFAULT_TREE
+from .distill import measure_costs
+from .heads import DraftHeads, ExitHeads, MedusaHeads
+from .speculative import SelfSpeculative
+
+CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
+    [[0], [1], [0, 0], [1, 0], [0, 0, 0]],
+    DEFAULT_TREE,
+    [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]],
+]
+
+
+@dataclass
+class Choice:
+    """One candidate configuration and its predicted speedup."""
+
+    draft: str  # exit_<k> or medusa
+    exit_layer: int | None
+    gamma: int  # drafts per iteration (a tree's node count)
+    tree: list[list[int]] | None
+    tokens_per_pass: float  # E
+    cost: float  # v + gamma c (a tree: v(nodes) + depth c)
+    c: float
+    v: float
+
+    @property
+    def predicted(self) -> float:
+        return self.tokens_per_pass / self.cost
+
+    @property
+    def label(self) -> str:
+        if self.tree is not None:
+            return f"medusa tree of {len(self.tree)} nodes"
+        where = f"exit {self.exit_layer}" if self.exit_layer is not None else "medusa chain"
+        return f"{where}, gamma {self.gamma}"
+
+    def options(self) -> dict:
+        """SelfSpeculative arguments for this configuration (fixed gamma, no adaptation)."""
+        if self.exit_layer is not None:
+            return {"exit_layer": self.exit_layer, "num_draft_tokens": self.gamma, "adaptive": False}
+        if self.tree is not None:
+            return {"tree": self.tree}
+        return {"tree": [], "num_draft_tokens": self.gamma, "adaptive": False}
+
+
+def run_prompts(spec: SelfSpeculative, prompts: list[torch.Tensor], max_new_tokens: int, do_sample: bool):
+    """Generate for every prompt; return the summed statistics as a dict."""
+    total: dict = {}
+    for prompt in prompts:
+        spec.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                      do_sample=do_sample)  # fmt: skip
+        for key, value in spec.stats.to_dict().items():
+            if isinstance(value, list):  # per draft position
+                summed = total.setdefault(key, [])
+                summed.extend([0] * (len(value) - len(summed)))
+                for position, count in enumerate(value):
+                    summed[position] += count
+            elif isinstance(value, int | float) and key != "alpha":
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def prefix_acceptance(stats: dict, gamma: int) -> list[float]:
+    """P_i: the share of iterations whose first i drafts were all accepted, i = 1..gamma."""
+    proposed = stats.get("proposed_per_position", [])
+    accepted = stats.get("accepted_per_position", [])
+    return [accepted[i] / proposed[i] if i < len(proposed) and proposed[i] else 0.0 for i in range(gamma)]
+
+
+@torch.no_grad()
+def tune(
+    model: nn.Module,
+    heads: DraftHeads,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int = 64,
+    max_gamma: int = 8,
+    do_sample: bool = False,
+    timing_repeats: int = 20,
+    draft_vocab=None,
+) -> list[Choice]:
+    """Every candidate configuration with its predicted speedup, best first."""
+    adapter = ModelAdapter(model)
+    medusa = isinstance(heads, MedusaHeads)
+    trees = [[p for p in tree if len(p) <= heads.num_heads] for tree in CANDIDATE_TREES] if medusa else []
+    longest = max([max_gamma if not medusa else heads.num_heads] + [len(t) for t in trees])
+    reference = model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), do_sample=False,
+                               max_new_tokens=max(longest + 2, 16))  # fmt: skip
+    vocab = adapter.draft_vocabulary(draft_vocab) if draft_vocab is not None else None
+    costs = measure_costs(adapter, heads, reference, timing_repeats, max_gamma=longest, vocab=vocab)
+    choices = []
+    for name in [f"exit_{k}" for k in heads.exit_layers] if isinstance(heads, ExitHeads) else ["medusa"]:
+        exit_layer = int(name[5:]) if name.startswith("exit_") else None
+        gammas = heads.num_heads if medusa else max_gamma
+        # Medusa heads run together: one iteration of gamma drafts costs gamma heads' share of the measured time
+        c = costs.c("medusa_0") / heads.num_heads if medusa else costs.c(name)
+        options = {"tree": []} if medusa else {"exit_layer": exit_layer}
+        spec = SelfSpeculative(model, heads=heads, num_draft_tokens=gammas, adaptive=False,
+                               draft_vocab=draft_vocab, **options)  # fmt: skip
+        accepted = prefix_acceptance(run_prompts(spec, prompts, max_new_tokens, do_sample), gammas)
+        for gamma in range(1, gammas + 1):
+            tokens = 1 + sum(accepted[:gamma])
+            choices.append(Choice(name, exit_layer, gamma, None, tokens, costs.v(gamma) + gamma * c, c, costs.v(gamma)))
+        for tree in trees:
+            spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab)
+            stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
+            depth = max(len(path) for path in tree)
+            tokens = stats["new_tokens"] / stats["row_passes"]
+            v = costs.v(len(tree))
+            choices.append(Choice("medusa", None, len(tree), tree, tokens, v + depth * c, c, v))
+    return sorted(choices, key=lambda choice: -choice.predicted)
+
+
+def apply_choice(heads: DraftHeads, choice: Choice) -> None:
+    """Make `choice` the heads' defaults (gamma, and the exit layer or the tree)."""
+    heads.num_draft_tokens = choice.gamma if choice.tree is None else None
+    if isinstance(heads, ExitHeads):
+        heads.exit_layer = choice.exit_layer
+    else:
+        heads.tree = choice.tree
+
+
+TUNED_SECTION = "## Tuned defaults"
+
+
+def tuned_card(card: str, table: str, choice: Choice, command: str) -> str:
+    """The heads' card with its tuned-defaults section replaced by this one."""
+    kept = card.split(TUNED_SECTION)[0].rstrip() + "\n\n"
+    return kept + (
+        f"{TUNED_SECTION}\n\nWritten by `{command}`: {choice.label}, predicted speedup {choice.predicted:.2f}x "
+        "(S = E / cost with E the measured tokens per pass, cost = v + gamma c in plain decoding steps).\n\n"
+        + table
+        + "\n"
+    )
+
+
+def format_choices(choices: list[Choice], measured: dict[str, float] | None = None, top: int = 12) -> str:
+    """The best `top` candidates as a Markdown table (with the measured speedups when given)."""
+    head = "| configuration | E (tokens/pass) | c | v | cost | predicted |"
+    rule = "|---|---|---|---|---|---|"
+    if measured:
+        head, rule = head + " measured |", rule + "---|"
+    lines = [head, rule]
+    for choice in choices[:top]:
+        line = (
+            f"| {choice.label} | {choice.tokens_per_pass:.2f} | {choice.c:.3f} | {choice.v:.2f} | "
+            f"{choice.cost:.2f} | {choice.predicted:.2f}x |"
+        )
+        if measured:
+            value = measured.get(choice.label)
+            line += f" {value:.2f}x |" if value is not None else " - |"
+        lines.append(line)
+    return "\n".join(lines)
