@@ -41,8 +41,9 @@ def run_profile(args: argparse.Namespace) -> int:
 
     from .adapter import ModelAdapter
     from .config import DataConfig, EvalConfig, default_exit_layers
+    from .data import load_rows, row_tensor
     from .heads import ExitHeads, load_heads
-    from .profile import configure_wandb, format_table, load_rows, plot_alpha, profile_heads, row_tensor, wandb_objects
+    from .profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
 
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)

@@ -1,229 +1,26 @@
-"""Measure draft heads on held-out text: data, evaluation, the alpha / c / speedup table and its plot.
+"""Measure draft heads on held-out text: evaluation, the alpha / c / speedup table, its plot and card.
 
-Shared by `training/train_heads.py` (held-out evaluation during training) and `selfspec profile`.
-Data: local files by glob (text files are one document each, `.jsonl`/`.json` one per row, `.parquet` one
-per row, with a text field or chat `messages` rendered by the tokenizer's chat template) or a hub data
-set, read with `datasets`, tokenised with the target's tokenizer, joined by EOS and cut into rows of a
-fixed length; a held-out split by file or by a seeded fraction of the documents.
+Shared by `training/train_heads.py` (held-out evaluation during training) and `selfspec profile`; the text
+itself comes from `selfspec.data`.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import netrc
 import os
 import socket
-import sysconfig
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
-import datasets
 import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .config import DataConfig, EvalConfig, TrainHeadsConfig
+from .config import EvalConfig, TrainHeadsConfig
 from .distill import Costs, draft_names, measure_costs, score_sums, speedup_table, target_pass
 from .heads import DraftHeads, ExitHeads, MedusaHeads
 
-JSON_SUFFIXES = {".json", ".jsonl"}
-PARQUET_SUFFIXES = {".parquet"}
 METRICS = ("kl", "alpha", "top1")
-
-
-# --------------------------------------------------------------------------------------------- data
-
-
-def expand_globs(patterns: str, exclude: str | None = None, required: bool = True) -> list[str]:
-    """Files matching comma-separated globs (a folder means every file under it) and none of the `exclude`
-    globs, sorted per pattern, without repeats; a pattern that matches nothing raises if `required`."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    excluded = set(expand_globs(exclude, required=False)) if exclude else set()
-    found: dict[str, None] = {}
-    for pattern in (part.strip() for part in patterns.split(",")):
-        if not pattern:
-            continue
-        pattern = os.path.expanduser(pattern.replace("{stdlib}", stdlib))
-        if os.path.isdir(pattern):
-            pattern = os.path.join(pattern, "**", "*")
-        matches = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
-        if not matches and required:
-            raise FileNotFoundError(f"data: no file matches {pattern!r}")
-        found.update(dict.fromkeys(path for path in matches if path not in excluded))
-    return list(found)
-
-
-def _render(rows: datasets.Dataset, config: DataConfig, tokenizer, origin: str) -> datasets.Dataset:
-    """A dataset with one `text` column: the text field, or chat messages through the chat template."""
-    if config.messages_field in rows.column_names:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{origin} has chat `{config.messages_field}` but the tokenizer has no chat template")
-
-        def render(batch):
-            return {"text": [tokenizer.apply_chat_template(m, tokenize=False) for m in batch[config.messages_field]]}
-
-    elif config.text_field in rows.column_names:
-
-        def render(batch):
-            return {"text": batch[config.text_field]}
-
-    else:
-        raise ValueError(
-            f"{origin} has neither a `{config.text_field}` field (data.text_field) nor a `{config.messages_field}` "
-            f"field (data.messages_field); its fields: {rows.column_names}"
-        )
-    return rows.map(render, batched=True, remove_columns=rows.column_names)
-
-
-def load_documents(files: list[str], config: DataConfig, tokenizer) -> datasets.Dataset:
-    """One row per document (`text`) from local files, grouped by format."""
-    groups: dict[str, list[str]] = {}
-    for path in files:
-        suffix = Path(path).suffix.lower()
-        kind = "json" if suffix in JSON_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else "text"
-        groups.setdefault(kind, []).append(path)
-    parts = []
-    for kind, paths in groups.items():
-        if kind == "text":
-            options = {"sample_by": "document", "encoding_errors": "replace"}
-            rows = datasets.load_dataset(kind, data_files=paths, split="train", **options)
-        else:
-            rows = datasets.concatenate_datasets([_checked_rows(kind, path, config) for path in paths])
-        parts.append(_render(rows, config, tokenizer, f"{kind} files ({paths[0]}, ...)"))
-    return datasets.concatenate_datasets(parts)
-
-
-def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
-    """The rows of one json / jsonl / parquet file whose text (or chat messages) is usable. A bad row (not
-    JSON, not an object, no text) stops with its file and row named, or is skipped with a warning
-    (`data.bad_rows`)."""
-    if kind == "parquet":
-        records = datasets.load_dataset("parquet", data_files=path, split="train").to_list()
-        label = "row"
-    elif path.lower().endswith(".jsonl"):
-        records, label = [], "line"
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    records.append(json.loads(line) if line.strip() else None)
-                except json.JSONDecodeError as error:
-                    records.append(f"not JSON ({error.msg})")
-    else:
-        records, label = json.loads(Path(path).read_text(encoding="utf-8")), "item"
-        records = records if isinstance(records, list) else [records]
-    kept, bad = [], []
-    for number, record in enumerate(records, 1):
-        if record is None and label == "line":
-            continue  # a blank line
-        problem = record if isinstance(record, str) and label == "line" else _row_problem(record, config)
-        if problem is None:
-            kept.append(record)
-        else:
-            bad.append(f"{label} {number}: {problem}")
-    if bad and config.bad_rows == "stop":
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise ValueError(f"{path}, {bad[0]}{more}; set data.bad_rows: skip to leave such rows out")
-    if bad:
-        warnings.warn(f"{path}: skipped {len(bad)} bad row(s), the first at {bad[0]}", stacklevel=2)
-    if not kept:
-        raise ValueError(f"{path}: no usable rows")
-    return datasets.Dataset.from_list(kept)
-
-
-def _row_problem(record, config: DataConfig) -> str | None:
-    if not isinstance(record, dict):
-        return f"not an object ({type(record).__name__})"
-    if isinstance(record.get(config.text_field), str):
-        return None
-    if isinstance(record.get(config.messages_field), list):
-        return None
-    return f"no text: neither a string `{config.text_field}` nor a list `{config.messages_field}`"
-
-
-def pack_documents(documents: datasets.Dataset, tokenizer, seq_len: int) -> datasets.Dataset:
-    """Token rows of exactly `seq_len` (`input_ids`): documents tokenised, each ended by EOS, concatenated
-    and cut (the remainder of each block of 1000 documents is dropped)."""
-    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer has no EOS token to separate packed documents")
-
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
-        # a chat template may already start with BOS, which the tokenizer then adds a second time
-        ids = [x[1:] if bos is not None and x[:2] == [bos, bos] else x for x in ids]
-        return {"ids": [x if x[-1:] == [eos] else x + [eos] for x in ids]}
-
-    def pack(batch):
-        stream = [token for ids in batch["ids"] for token in ids]
-        count = len(stream) // seq_len
-        return {"input_ids": [stream[i * seq_len : (i + 1) * seq_len] for i in range(count)]}
-
-    tokens = documents.map(tokenize, batched=True, remove_columns=documents.column_names)
-    return tokens.map(pack, batched=True, batch_size=1000, remove_columns=["ids"])
-
-
-@dataclass
-class TokenRows:
-    """Packed training and held-out rows, and what they were made of (for the model card)."""
-
-    train: datasets.Dataset | None
-    heldout: datasets.Dataset
-    summary: dict
-
-
-def load_rows(config: DataConfig, tokenizer, split: bool = True) -> TokenRows:
-    """Training and held-out rows per `config`; with `split=False` every document is held out (profiling)."""
-    source = config.source.strip()
-    if source.startswith("hub:"):
-        if config.heldout_files is not None:
-            raise ValueError("data.heldout_files applies to local files; a hub data set is split by heldout_fraction")
-        name = source[len("hub:") :]
-        raw = datasets.load_dataset(name, config.hub_config, split=config.hub_split)
-        documents, heldout_docs = _render(raw, config, tokenizer, f"hub data set {name}"), None
-    else:
-        files = expand_globs(source, config.exclude)
-        heldout_files = expand_globs(config.heldout_files, config.exclude) if config.heldout_files and split else []
-        held = set(heldout_files)
-        train_files = [path for path in files if path not in held]
-        if not train_files:
-            raise ValueError(f"data: every file matching {source!r} is held out")
-        documents = load_documents(train_files, config, tokenizer)
-        heldout_docs = load_documents(heldout_files, config, tokenizer) if heldout_files else None
-    if not split:
-        train_docs, heldout_docs = None, documents
-    elif heldout_docs is None:
-        if len(documents) < 2:
-            raise ValueError("data: a held-out split by fraction needs at least 2 documents")
-        test_size = min(len(documents) - 1, max(1, round(config.heldout_fraction * len(documents))))
-        parts = documents.train_test_split(test_size=test_size, seed=config.seed, shuffle=True)
-        train_docs, heldout_docs = parts["train"], parts["test"]
-    else:
-        train_docs = documents
-    if train_docs is not None and config.max_documents is not None:
-        train_docs = train_docs.select(range(min(config.max_documents, len(train_docs))))
-    train = pack_documents(train_docs, tokenizer, config.seq_len) if train_docs is not None else None
-    heldout = pack_documents(heldout_docs, tokenizer, config.seq_len)
-    if len(heldout) == 0 or (train is not None and len(train) == 0):
-        raise ValueError(f"data: too little text for one row of data.seq_len={config.seq_len} tokens in each split")
-    summary = {
-        "source": source,
-        "train_documents": len(train_docs) if train_docs is not None else 0,
-        "heldout_documents": len(heldout_docs),
-        "train_rows": len(train) if train is not None else 0,
-        "heldout_rows": len(heldout),
-        "seq_len": config.seq_len,
-        "heldout_by": "file" if config.heldout_files else f"fraction {config.heldout_fraction} (seed {config.seed})",
-    }
-    return TokenRows(train, heldout, summary)
-
-
-def row_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
-    """`[len(indices), seq_len]` int64 token ids of the given rows."""
-    return torch.tensor(rows[list(indices)]["input_ids"], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------- evaluate

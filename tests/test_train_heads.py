@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
 from selfspec.config import DataConfig
-from selfspec.profile import load_rows
+from selfspec.data import load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(20)]
@@ -405,9 +405,10 @@ def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["exit", "medusa"])
 def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch, capsys):
     from selfspec.config import EvalConfig
+    from selfspec.data import row_tensor
     from selfspec.distill import DistillationObjective, target_pass
     from selfspec.heads import MedusaHeads
-    from selfspec.profile import format_table, profile_heads, row_tensor
+    from selfspec.profile import format_table, profile_heads
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval().requires_grad_(False)

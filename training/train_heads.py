@@ -42,6 +42,7 @@ from selfspec.config import (
     load_config,
     save_config,
 )
+from selfspec.data import load_rows, row_tensor
 from selfspec.distill import DistillationObjective, state_digest, target_pass
 from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
 from selfspec.profile import (
@@ -49,11 +50,9 @@ from selfspec.profile import (
     evaluate,
     format_table,
     heads_card,
-    load_rows,
     measure,
     plot_alpha,
     report_rows,
-    row_tensor,
     untrained_like,
     wandb_objects,
 )
