@@ -183,6 +183,69 @@ def run_bench(
     return summarize(contenders)
 
 
+def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, n_i] prompts -> left-padded ids [rows, width] and their attention mask."""
+    width = max(p.shape[1] for p in prompts)
+    ids = prompts[0].new_full((len(prompts), width), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def batch_throughput(
+    spec: SelfSpeculative, prompts: list[torch.Tensor], sizes: list[int], max_new_tokens: int, repeats: int = 1
+) -> list[dict]:
+    """Tokens/s of batched `model.generate` and of `spec` at each batch size (rows cycle through the prompts),
+    alternating run by run; tokens are generated positions summed over the rows."""
+    from tqdm.auto import tqdm
+
+    model, device = spec.model, prompts[0].device
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else 0
+    rows = []
+    for size in tqdm(sizes, desc="batch sizes", leave=False):
+        ids, mask = left_pad([prompts[i % len(prompts)] for i in range(size)], pad)
+        runs = {"generate": model.generate, "selfspec": spec.generate}
+        settings = {"attention_mask": mask, "max_new_tokens": max_new_tokens, "do_sample": False}
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        outputs, proposed, passes = {}, 0, 0
+        for repeat in range(repeats + 1):  # the first round warms up and is not counted
+            for name in list(runs)[:: 1 if repeat % 2 else -1]:
+                _synchronize(device)
+                started = time.perf_counter()
+                outputs[name] = runs[name](ids, **settings)
+                _synchronize(device)
+                if repeat:
+                    rates[name].append(size * (outputs[name].shape[1] - ids.shape[1]) / (time.perf_counter() - started))
+                    if name == "selfspec":
+                        proposed, passes = proposed + spec.stats.proposed, passes + spec.stats.row_passes
+        plain, fast = statistics.median(rates["generate"]), statistics.median(rates["selfspec"])
+        rows.append({
+            "batch_size": size,
+            "generate_tokens_per_s": plain,
+            "selfspec_tokens_per_s": fast,
+            "speedup": fast / plain,
+            "mean_gamma": proposed / passes if passes else 0.0,
+            "matched": torch.equal(outputs["generate"], outputs["selfspec"]),
+        })  # fmt: skip
+    return rows
+
+
+def batch_table(rows: list[dict]) -> str:
+    lines = [
+        "| batch size | generate tokens/s | selfspec tokens/s | speedup | mean gamma per row and pass | greedy match |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    for row in rows:
+        lines.append(
+            f"| {row['batch_size']} | {row['generate_tokens_per_s']:.1f} | {row['selfspec_tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['mean_gamma']:.2f} | {'yes' if row['matched'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 def _rate(contender: Contender) -> float:
     return statistics.median(t / s for t, s in zip(contender.tokens, contender.seconds, strict=True))
 

@@ -29,6 +29,7 @@ from .bench import (
     write_json,
 )
 from .heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+from .speculative import SelfSpeculative
 
 BUNDLED = Path(__file__).resolve().parent.parent / "heads" / "demo-target"
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
@@ -164,6 +165,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
+    if args.batch_sizes:
+        return run_batch_bench(args, model, heads, inputs, vocab)
     layers = [int(x) for x in args.assistant_exit_layers.split(",")] if args.assistant_exit_layers else None
     contenders = standard_contenders(
         model,
@@ -222,6 +225,29 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
     bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    bench.add_argument(
+        "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
+    )
+
+
+def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
+    """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
+    from .bench import batch_table, batch_throughput
+
+    medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
+    if medusa is not None:
+        spec, label = SelfSpeculative(model, heads=medusa, tree=[], draft_vocab=vocab), "Medusa chain"
+    else:
+        spec, label = SelfSpeculative(model, heads=exit_heads, draft_vocab=vocab), "exit layer"
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    rows = batch_throughput(spec, inputs, sizes, args.max_new_tokens, repeats=args.repeats)
+    table = batch_table(rows)
+    print(f"selfspec: {label}{', draft vocabulary ' + str(len(vocab)) if vocab else ''}, adaptive gamma\n{table}")
+    output = Path(args.output or "runs/bench")
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
+    write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
+    return 0 if all(row["matched"] for row in rows) else 1
 
 
 def add_tune_parser(commands) -> None:

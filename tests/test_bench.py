@@ -176,3 +176,18 @@ def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path
     assert card.startswith("# card\n\nbody") and card.count("## Tuned defaults") == 1
     again = tuned_card(card, "| u |", best, "selfspec tune")
     assert again.count("## Tuned defaults") == 1 and "| u |" in again and "| t |" not in again
+
+
+def test_batch_throughput_rows_match_the_padded_batch(model):
+    from selfspec.bench import batch_table, batch_throughput, left_pad
+
+    prompts = [random_prompt(3, seed=1), random_prompt(8, seed=2), random_prompt(5, seed=3)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    assert ids.shape == (3, 8) and mask.sum(1).tolist() == [3, 8, 5] and torch.equal(ids[1], prompts[1][0])
+    spec = SelfSpeculative(model, exit_layer=2)
+    rows = batch_throughput(spec, prompts, [1, 4], max_new_tokens=10)
+    assert [row["batch_size"] for row in rows] == [1, 4]
+    for row in rows:
+        assert row["matched"] is True and row["generate_tokens_per_s"] > 0 and row["selfspec_tokens_per_s"] > 0
+        assert row["speedup"] == pytest.approx(row["selfspec_tokens_per_s"] / row["generate_tokens_per_s"])
+    assert batch_table(rows).count("| yes |") == 2
