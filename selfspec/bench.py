@@ -129,8 +129,10 @@ def standard_contenders(
             field_.append(selfspec_contender(model, f"selfspec medusa tree, vocab {size}", False, temperature,
                                              heads=medusa_heads, tree=tree, draft_vocab=draft_vocab))  # fmt: skip
         if sampling:
-            field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}", True, temperature,
-                                             heads=medusa_heads, tree=[], draft_vocab=draft_vocab))  # fmt: skip
+            suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+            field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}{suffix}", True,
+                                             temperature, heads=medusa_heads, tree=[],
+                                             draft_vocab=draft_vocab))  # fmt: skip
     elif sampling:
         field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} T={temperature}", True, temperature,
                                          heads=exit_heads, exit_layer=exit_layer))  # fmt: skip

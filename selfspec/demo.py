@@ -102,7 +102,7 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
     suffix = f", vocab {len(vocab)}" if vocab else ""
     contenders = [generate_contender(model, "model.generate", False, 1.0)]
     if exit_heads is not None:
-        layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+        layer = exit_heads.default_exit_layer  # the tuned depth, if `selfspec tune` wrote one
         contenders.append(selfspec_contender(model, f"selfspec exit {layer} trained{suffix}", False, 1.0,
                                              heads=exit_heads, exit_layer=layer, draft_vocab=vocab))  # fmt: skip
     else:

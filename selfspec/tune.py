@@ -5,9 +5,12 @@ For each draft (an exit depth, or the Medusa heads) it measures
   iterations in which the first i drafts were all accepted, P_i (greedy, or sampled with `do_sample`), so
   that E(gamma) = 1 + P_1 + ... + P_gamma tokens per pass without assuming i.i.d. acceptances;
 - c, the time of one draft token over one plain decoding step, and v(gamma), one full pass over gamma+1
-  positions over one plain step (`selfspec.distill.measure_costs`; v is timed for a full pass, which
-  slightly overstates an early-exit verify, whose lower layers run for one position only);
-- for Medusa trees, the tokens per pass of each candidate tree, measured, at the cost v(nodes) + depth c.
+  positions over one plain step (`selfspec.distill.measure_costs`). An early-exit verify runs its lower k
+  layers for one position only (their KV entries come from the draft), so its v is taken as
+  1 + (L - k) / L (v(gamma) - 1): the extra positions cost in the upper layers alone;
+- for Medusa trees, the tokens per pass of each candidate tree and the time per pass, both measured in the
+  decoding loop (a tree pass also builds its mask and compacts the cache), over the time per pass of the
+  plain loop (gamma = 0) on the same prompts.
 
 The choice maximises S = E / (v + gamma c) (DESIGN.md section 1). `--measure_grid` then times every
 candidate side by side with `model.generate` and reports the tuned point against the best measured one.
@@ -120,16 +123,20 @@ def tune(
         spec = SelfSpeculative(model, heads=heads, num_draft_tokens=gammas, adaptive=False,
                                draft_vocab=draft_vocab, **options)  # fmt: skip
         accepted = prefix_acceptance(run_prompts(spec, prompts, max_new_tokens, do_sample), gammas)
+        upper = 1.0 if medusa else (adapter.num_layers - exit_layer) / adapter.num_layers
         for gamma in range(1, gammas + 1):
-            tokens = 1 + sum(accepted[:gamma])
-            choices.append(Choice(name, exit_layer, gamma, None, tokens, costs.v(gamma) + gamma * c, c, costs.v(gamma)))
+            tokens, v = 1 + sum(accepted[:gamma]), 1 + upper * (costs.v(gamma) - 1)
+            choices.append(Choice(name, exit_layer, gamma, None, tokens, v + gamma * c, c, v))
+        if trees:
+            plain = run_prompts(SelfSpeculative(model, num_draft_tokens=0), prompts, max_new_tokens, do_sample)
+            plain_pass = plain["total_seconds"] / plain["target_passes"]
         for tree in trees:
             spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab)
             stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
             depth = max(len(path) for path in tree)
             tokens = stats["new_tokens"] / stats["row_passes"]
-            v = costs.v(len(tree))
-            choices.append(Choice("medusa", None, len(tree), tree, tokens, v + depth * c, c, v))
+            cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
+            choices.append(Choice("medusa", None, len(tree), tree, tokens, cost, c, cost - depth * c))
     return sorted(choices, key=lambda choice: -choice.predicted)
 
 

@@ -45,7 +45,7 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         "selfspec medusa tree",
         "selfspec medusa chain, vocab 48",
         "selfspec medusa tree, vocab 48",
-        "selfspec medusa chain T=0.8",
+        "selfspec medusa chain T=0.8, vocab 48",
     ]
     by_name = {row["contender"]: row for row in rows}
     for row in rows:
