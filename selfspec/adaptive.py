@@ -34,10 +34,13 @@ class DraftController:
     decay: float = 0.9  # weight of the past per iteration: about the last ten iterations count
     prior_alpha: float = 0.5  # what alpha is taken to be before any evidence ...
     prior_weight: float = 2.0  # ... worth this many tested positions
-    probe_every: int = 8  # plain steps between single-draft probes while speculation does not pay
+    probe_every: int = 8  # plain steps before a single-draft probe while speculation does not pay ...
+    max_probe_every: int = 64  # ... doubling after each rejected probe up to this, back to probe_every on success
     _accepted: float = field(default=0.0, init=False)
     _tested: float = field(default=0.0, init=False)
     _plain_steps: int = field(default=0, init=False)
+    _probe_interval: int = field(default=0, init=False)
+    _probing: bool = field(default=False, init=False)
 
     @property
     def alpha(self) -> float:
@@ -50,16 +53,23 @@ class DraftController:
         alpha = self.alpha
         candidates = range(min(self.max_drafts, limit) + 1)
         best = max(candidates, key=lambda g: predicted_speedup(alpha, g, self.draft_cost, self.verify_cost))
+        self._probing = False
         if best > 0:
-            self._plain_steps = 0
+            self._plain_steps, self._probe_interval = 0, self.probe_every
             return best
         self._plain_steps += 1
-        return 1 if self._plain_steps % self.probe_every == 0 else 0  # a probe keeps alpha up to date
+        if self._plain_steps < (self._probe_interval or self.probe_every):
+            return 0
+        self._plain_steps, self._probing = 0, True
+        return 1  # a probe keeps alpha up to date
 
     def update(self, gamma: int, num_accepted: list[int]) -> None:
         """Record an iteration of `gamma` drafts in which row b kept `num_accepted[b]` of them."""
         if gamma == 0:
             return
+        if self._probing:  # a rejected probe: wait twice as long for the next one
+            interval = self._probe_interval or self.probe_every
+            self._probe_interval = self.probe_every if any(num_accepted) else min(2 * interval, self.max_probe_every)
         self._accepted = self.decay * self._accepted + sum(num_accepted)
         # the rule tests positions 1..n+1 (all gamma when every draft is accepted)
         self._tested = self.decay * self._tested + sum(min(n + 1, gamma) for n in num_accepted)

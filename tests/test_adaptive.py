@@ -21,10 +21,17 @@ def test_predicted_speedup_is_the_design_equation():
 
 def test_controller_falls_back_probes_and_recovers():
     controller = DraftController(max_drafts=6, draft_cost=0.2)
-    for _ in range(30):  # nothing is ever accepted
-        controller.update(controller.choose(10) or 1, [0])
-    choices = [controller.choose(10) for _ in range(16)]
-    assert choices.count(0) == 14 and choices.count(1) == 2  # plain steps, a probe every eighth
+    choices = []
+    for _ in range(300):  # nothing is ever accepted
+        gamma = controller.choose(10)
+        choices.append(gamma)
+        controller.update(gamma, [0])
+    first_plain = choices.index(0)
+    assert all(choices[:first_plain]) and first_plain < 10  # drafting stops after a few rejections
+    probes = [step for step in range(first_plain, 300) if choices[step]]
+    assert all(choices[step] == 1 for step in probes)  # a probe is a single draft
+    gaps = [b - a for a, b in zip([first_plain - 1, *probes], probes, strict=False)]
+    assert gaps[:6] == [8, 16, 32, 64, 64, 64]  # each rejected probe doubles the wait, up to max_probe_every
     for _ in range(40):  # acceptance recovers on the probes and after
         gamma = max(controller.choose(10), 1)
         controller.update(gamma, [gamma])
