@@ -89,12 +89,14 @@ def standard_contenders(
     sampling: bool = True,
     transformers_modes: bool = True,
     draft_vocab: list[int] | None = None,
+    untrained_exit_layer: int | None = None,
 ) -> list[Contender]:
     """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
     the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
     `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts."""
     num_layers = model.config.get_text_config().num_hidden_layers
     exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
+    exit_layer = untrained_exit_layer or exit_layer
     field_ = [generate_contender(model, "generate", False, temperature)]
     if sampling:
         field_.append(generate_contender(model, f"generate T={temperature}", True, temperature))

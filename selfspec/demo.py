@@ -177,7 +177,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         sampling=not args.no_sampling,
         transformers_modes=not args.no_transformers,
         draft_vocab=vocab,
+        untrained_exit_layer=args.untrained_exit_layer,
     )
+    if args.only:
+        wanted = [part.strip() for part in args.only.split(",") if part.strip()]
+        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in wanted)]
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     table = markdown_table(rows)
     print(table)
@@ -225,6 +229,8 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
     bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    bench.add_argument("--untrained_exit_layer", type=int, help="depth of the untrained-exit contender")
+    bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
     bench.add_argument(
         "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
     )

@@ -41,10 +41,14 @@ def draft_tokens(
     process: Processing,
     do_sample: bool,
     next_logits: Callable[[int, torch.Tensor], torch.Tensor],
+    stop_below: float | None = None,
 ) -> Draft:
-    """Draft gamma tokens one after the other. `next_logits(i, token)` gives the raw draft logits
+    """Draft up to gamma tokens one after the other. `next_logits(i, token)` gives the raw draft logits
     [batch, V] for draft position i, given the token [batch, 1] before it (the pending token for i = 0).
-    Each position is processed with its own prefix, as the target's positions will be."""
+    Each position is processed with its own prefix, as the target's positions will be. With `stop_below`,
+    drafting stops early once every row's drafted token has a draft probability below it (one host sync
+    per position): a draft that is unsure of itself is likely rejected, and a shorter verify costs less.
+    The stop depends on the drafts alone, so the accept-reject rule stays exact."""
     token, drafted, scores = state.sequences[:, -1:], [], []
     for i in range(gamma):
         logits = next_logits(i, token)[:, None]  # [batch, 1, V]
@@ -53,6 +57,10 @@ def draft_tokens(
         token = pick(score, do_sample)[:, None]
         drafted.append(token)
         scores.append(score)
+        if stop_below is not None and i + 1 < gamma:
+            confidence = score.softmax(dim=-1).gather(1, token)  # [batch, 1]: q of the drafted token
+            if bool((confidence < stop_below).all()):
+                break
     return Draft(torch.cat(drafted, dim=1), torch.stack(scores, dim=1))
 
 
@@ -75,6 +83,7 @@ class EarlyExitDrafter:
         self.exit_layer = exit_layer
         self.head = head
         self.vocab = vocab
+        self.stop_below: float | None = None  # draft confidence under which a chain stops early
         self._hidden: list[torch.Tensor] = []
 
     def estimated_cost(self) -> float:
@@ -108,7 +117,7 @@ class EarlyExitDrafter:
             self._hidden.append(hidden)
             return self.exit_logits(hidden[:, -1])
 
-        return draft_tokens(state, gamma, process, do_sample, next_logits)
+        return draft_tokens(state, gamma, process, do_sample, next_logits, self.stop_below)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Target logits [batch, G+1, V] for the pending token and the G drafts."""
@@ -153,6 +162,7 @@ class MedusaDrafter:
         self.adapter = adapter
         self.heads = heads
         self.vocab = vocab
+        self.stop_below: float | None = None  # draft confidence under which a chain stops early
         self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
         self._verified: torch.Tensor | None = None  # [batch, G+1, H]
@@ -173,7 +183,7 @@ class MedusaDrafter:
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         proposals = self.heads.logits(self._hidden, self.adapter, gamma, self.vocab)  # [batch, G, V]
-        return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i])
+        return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i], self.stop_below)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         start, gamma = state.length - 1, draft.tokens.shape[1]

@@ -80,6 +80,8 @@ class SelfSpeculative:
         draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
             product reads only their rows (copied once), which lowers c when the vocabulary is a large share
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
+        draft_confidence: stop drafting a chain early in an iteration once the drafted token's draft
+            probability is below this (every row's, in a batch). Default: off (always draft gamma).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class SelfSpeculative:
         adaptive: bool | None = None,
         draft_cost: float | None = None,
         draft_vocab=None,
+        draft_confidence: float | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -125,6 +128,9 @@ class SelfSpeculative:
             if tree:
                 raise ValueError("A tree drafts candidates: it cannot be used with num_draft_tokens=0.")
             self.adaptive = False
+        if draft_confidence is not None and not 0.0 < draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence={draft_confidence!r} must be a probability between 0 and 1.")
+        self.drafter.stop_below = draft_confidence
         self.exit_layer = exit_layer
         self.num_draft_tokens = num_draft_tokens
         self.stats: GenerationStats | None = None
@@ -200,6 +206,7 @@ class SelfSpeculative:
             with call.watch.section("draft"):
                 draft = self.drafter.draft(state, gamma, partial(self._process, call), setup.do_sample)
                 drafts = draft.tokens
+                gamma = drafts.shape[1]  # fewer when the draft stopped early (draft_confidence)
             with call.watch.section("verify"):
                 logits = self.drafter.verify(state, draft)
                 scores = self._process(call, drafts, logits)  # [batch, G+1, V]

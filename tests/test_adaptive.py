@@ -76,3 +76,21 @@ def test_adaptive_sampling_is_reproducible():
 def test_draft_cost_is_checked():
     with pytest.raises(ValueError, match="draft_cost"):
         SelfSpeculative(tiny_model("llama"), draft_cost=-1.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_unsure_drafts_stop_early_and_output_stays_exact(arch):
+    from test_medusa import medusa_heads
+
+    model = tiny_model(arch)
+    prompt = random_prompt(7, seed=5)
+    expected = model.generate(prompt, max_new_tokens=50, do_sample=False)
+    for options in ({"exit_layer": 2, "num_draft_tokens": 6}, {"heads": medusa_heads(model), "num_draft_tokens": 4}):
+        full = SelfSpeculative(model, adaptive=False, **options)
+        full.generate(prompt, max_new_tokens=50, do_sample=False)
+        spec = SelfSpeculative(model, adaptive=False, draft_confidence=0.9, **options)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=50, do_sample=False), expected), options
+        per_iteration = [s.stats.proposed / s.stats.iterations for s in (full, spec)]
+        assert per_iteration[1] < per_iteration[0] - 0.5, per_iteration  # shorter chains with the stop
+    with pytest.raises(ValueError, match="draft_confidence=1.5 must be a probability"):
+        SelfSpeculative(model, draft_confidence=1.5)

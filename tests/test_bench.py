@@ -124,6 +124,10 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert result["meta"]["prompts"] == 2 and result["meta"]["max_new_tokens"] == 10
     assert {row["contender"] for row in result["results"]} >= {"generate", "selfspec medusa tree"}
     assert (tmp_path / "b" / "bench.png").stat().st_size > 0 and (tmp_path / "b" / "bench.md").exists()
+    only = ["--only", "untrained", "--untrained_exit_layer", "1", "--no_sampling", "--output", str(tmp_path / "c")]
+    assert main(["bench", *common, "--repeats", "1", *only]) == 0
+    result = json.loads((tmp_path / "c" / "bench.json").read_text())
+    assert [row["contender"] for row in result["results"]] == ["generate", "selfspec exit 1 untrained"]
 
     assert (
         main(["tune", *common, "--num_prompts", "1", "--timing_repeats", "2", "--max_gamma", "3", "--measure_grid"])
