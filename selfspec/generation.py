@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
 class UnsupportedGenerationArgument(ValueError):
@@ -208,3 +209,33 @@ def process_tree_scores(
         ids = torch.cat([prefix, node_tokens[:, [n - 1 for n in path]]], dim=1)
         scores.append(processors(ids, logits[:, node].clone()))
     return torch.stack(scores, dim=1)
+
+
+def stopping_point(setup: GenerationSetup, prefix: torch.Tensor, new: torch.Tensor, scores: torch.Tensor) -> int | None:
+    """How many of the tokens `new` [n] appended to one row's `prefix` [1, length] (without added padding) to
+    keep when a stopping criterion fires among them, else None. scores: [>= n, V] the processed scores each
+    of those tokens was drawn from."""
+    if len(setup.stopping_criteria) == 0:
+        return None
+    flags = [
+        setup.stopping_criteria(torch.cat([prefix, new[None, : j + 1]], dim=1), scores[j : j + 1]).reshape(-1).any()
+        for j in range(new.shape[0])
+    ]
+    hits = torch.stack(flags).tolist()
+    return hits.index(True) + 1 if True in hits else None
+
+
+def generate_output(rows: list[torch.Tensor], pad_token_id: int, config: GenerationConfig, scores: list, logits: list):
+    """What `model.generate` returns: the rows (1-D, as the caller gave them plus what they generated), those
+    that finished early padded on the right with the pad token; a `GenerateDecoderOnlyOutput` when asked."""
+    length = max(row.shape[0] for row in rows)
+    sequences = torch.stack(
+        [torch.nn.functional.pad(row, (0, length - row.shape[0]), value=pad_token_id) for row in rows]
+    )
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores) if config.output_scores else None,
+        logits=tuple(logits) if config.output_logits else None,
+    )

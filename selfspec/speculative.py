@@ -9,7 +9,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import ModelAdapter
 from .adaptive import DraftController
@@ -17,9 +16,11 @@ from .drafters import build_drafter, pick
 from .generation import (
     GenerationSetup,
     UnsupportedGenerationArgument,
+    generate_output,
     prepare_generation,
     process_scores,
     process_tree_scores,
+    stopping_point,
 )
 from .heads import DraftHeads, MedusaHeads, load_heads
 from .state import DecodeState
@@ -188,8 +189,9 @@ class SelfSpeculative:
                 finished = self.speculative_step(call, min(self.num_draft_tokens, span - 1))
         if setup.streamer is not None:
             setup.streamer.end()
-        self.stats = self._finish_stats(call, started)
-        return self._output(call)
+        self.stats = call.stats.finish(call.watch.totals(), *call.alpha.tolist(), started)
+        rows = [call.done[row] for row in range(len(call.done))]  # in the caller's order
+        return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
 
     def speculative_step(self, call: _Call, gamma: int) -> bool:
         """One iteration: draft gamma tokens, verify them in one full pass, accept, commit, drop the cache
@@ -398,7 +400,8 @@ class SelfSpeculative:
         for row, (count_b, eos_b) in enumerate(zip(counts, eos_hits, strict=True)):
             budget = setup.max_new_tokens - call.generated[row]
             keep = min(count_b, budget)
-            stop = self._stopping_point(setup, state, row, committed[row, :keep], scores[row])
+            prefix = state.sequences[row : row + 1, state.added_pad[row] :]
+            stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
             keep = stop or keep
             kept.append(keep)
             finished.append(stop is not None or (bool(eos_b) and keep == count_b) or keep == budget)
@@ -415,45 +418,3 @@ class SelfSpeculative:
             if done:  # the row as the caller gave it (its own padding) and what it generated
                 call.done[call.rows[row]] = state.sequences[row, state.added_pad[row] :]
         return accepted, kept, finished
-
-    @staticmethod
-    def _stopping_point(setup: GenerationSetup, state: DecodeState, row: int, new, scores) -> int | None:
-        """How many of the tokens `new` [n] appended to `row` to keep when a stopping criterion fires among
-        them, else None. scores: [>= n, V] the processed scores each of those tokens was drawn from."""
-        if len(setup.stopping_criteria) == 0:
-            return None
-        prefix = state.sequences[row : row + 1, state.added_pad[row] :]
-        flags = [
-            setup.stopping_criteria(torch.cat([prefix, new[None, : j + 1]], dim=1), scores[j : j + 1]).reshape(-1).any()
-            for j in range(new.shape[0])
-        ]
-        hits = torch.stack(flags).tolist()
-        return hits.index(True) + 1 if True in hits else None
-
-    @staticmethod
-    def _finish_stats(call: _Call, started: float) -> GenerationStats:
-        stats = call.stats
-        times = call.watch.totals()
-        stats.draft_seconds = times.get("draft", 0.0)
-        stats.verify_seconds = times.get("verify", 0.0) + times.get("prefill", 0.0)
-        alpha_sum, alpha_count = call.alpha.tolist()
-        stats.alpha = alpha_sum / alpha_count if alpha_count else float("nan")
-        stats.total_seconds = time.perf_counter() - started
-        return stats
-
-    @staticmethod
-    def _output(call: _Call):
-        """What `model.generate` returns: the rows in the caller's order, those that finished early padded
-        on the right with the pad token."""
-        rows = [call.done[row] for row in range(len(call.done))]
-        length = max(row.shape[0] for row in rows)
-        pad = call.state.pad_token_id
-        sequences = torch.stack([torch.nn.functional.pad(row, (0, length - row.shape[0]), value=pad) for row in rows])
-        config = call.setup.config
-        if not config.return_dict_in_generate:
-            return sequences
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(call.scores) if config.output_scores else None,
-            logits=tuple(call.logits) if config.output_logits else None,
-        )

@@ -47,6 +47,14 @@ class GenerationStats:
         )
         return out
 
+    def finish(self, times: dict[str, float], alpha_sum: float, alpha_count: float, started: float):
+        """Fill in the time split (sections timed by a `Stopwatch`), the analytic alpha and the total time."""
+        self.draft_seconds = times.get("draft", 0.0)
+        self.verify_seconds = times.get("verify", 0.0) + times.get("prefill", 0.0)
+        self.alpha = alpha_sum / alpha_count if alpha_count else float("nan")
+        self.total_seconds = time.perf_counter() - started
+        return self
+
     def record_iteration(self, gamma: int, num_accepted: list[int]) -> None:
         """Count one verification of `gamma` drafts per row, with each row's accepted count."""
         self.iterations += 1
