@@ -16,6 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def position_cost_from(verify_cost: float, gamma: int) -> float:
+    """r from one measured v(gamma) at one row: solves v = (1 + r (gamma+1)) / (1 + r) (see `DraftController`)."""
+    if verify_cost <= 1.0:
+        return 0.0
+    return (verify_cost - 1.0) / (gamma + 1 - verify_cost)
+
+
 def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
     """S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) (v + gamma c)); S(0) = 1 (a plain step)."""
     if gamma == 0:
@@ -30,7 +37,8 @@ class DraftController:
 
     max_drafts: int
     draft_cost: float  # c
-    verify_cost: float = 1.0  # v
+    verify_cost: float = 1.0  # v at one row, for every gamma, when position_cost is 0
+    position_cost: float = 0.0  # r: what one more position adds to a pass, over a pass's fixed cost (see below)
     decay: float = 0.9  # weight of the past per iteration: about the last ten iterations count
     prior_alpha: float = 0.5  # what alpha is taken to be before any evidence ...
     prior_weight: float = 2.0  # ... worth this many tested positions
@@ -46,13 +54,25 @@ class DraftController:
     def alpha(self) -> float:
         return (self._accepted + self.prior_alpha * self.prior_weight) / (self._tested + self.prior_weight)
 
-    def choose(self, limit: int) -> int:
-        """gamma for the next iteration, at most `limit` (what the token budget allows)."""
+    def verify_cost_at(self, gamma: int, rows: int) -> float:
+        """v(gamma) for a batch of `rows`: with a pass costing t0 + r t0 N for N positions, a pass over
+        rows x (gamma + 1) positions against a plain step over `rows`: (1 + r rows (gamma+1)) / (1 + r rows).
+        r = 0 (memory-bound decoding) gives `verify_cost` at every batch size."""
+        if self.position_cost == 0.0:
+            return self.verify_cost
+        r = self.position_cost
+        return (1 + r * rows * (gamma + 1)) / (1 + r * rows)
+
+    def choose(self, limit: int, rows: int = 1) -> int:
+        """gamma for the next iteration of a batch of `rows`, at most `limit` (what the token budget allows)."""
         if limit <= 0:
             return 0
         alpha = self.alpha
-        candidates = range(min(self.max_drafts, limit) + 1)
-        best = max(candidates, key=lambda g: predicted_speedup(alpha, g, self.draft_cost, self.verify_cost))
+
+        def speedup(gamma: int) -> float:
+            return predicted_speedup(alpha, gamma, self.draft_cost, self.verify_cost_at(gamma, rows))
+
+        best = max(range(min(self.max_drafts, limit) + 1), key=speedup)
         self._probing = False
         if best > 0:
             self._plain_steps, self._probe_interval = 0, self.probe_every

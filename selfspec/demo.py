@@ -279,7 +279,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
     paths = args.heads or [str(BUNDLED / "exit-heads"), str(BUNDLED / "medusa-heads")]
     for path, draft_heads in zip(paths, heads.values(), strict=True):
-        choices = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
+        choices, position_cost = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
                        args.timing_repeats, vocab)  # fmt: skip
         measured = (
             measure_grid(model, draft_heads, choices, inputs, args.max_new_tokens, vocab) if args.measure_grid else None
@@ -287,6 +287,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         table = format_choices(choices, measured)
         best = choices[0]
         print(f"\n{path}:\n{table}\n\nchoice: {best.label}, predicted speedup {best.predicted:.2f}x")
+        print(f"position cost r = {position_cost:.3f} (v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows))")
         if measured:
             top = max(measured.values())
             print(f"measured: the choice {measured[best.label]:.2f}x, the best candidate {top:.2f}x "
@@ -294,7 +295,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         if best.predicted <= 1.0:
             print("no configuration is predicted to beat plain decoding here; adaptive drafting will fall back to it")
         if not args.dry_run:
-            apply_choice(draft_heads, best)
+            apply_choice(draft_heads, best, position_cost)
             card_path = Path(path) / CARD_NAME
             card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
             command = "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else "selfspec tune"

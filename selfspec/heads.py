@@ -40,17 +40,21 @@ class DraftHeads(nn.Module):
 
     kind = ""
 
-    def __init__(self, fingerprint: ModelFingerprint, num_draft_tokens: int | None = None):
+    def __init__(
+        self, fingerprint: ModelFingerprint, num_draft_tokens: int | None = None, position_cost: float | None = None
+    ):
         super().__init__()
         self.fingerprint = fingerprint
         self.num_draft_tokens = num_draft_tokens
+        self.position_cost = position_cost  # measured by `selfspec tune`: see SelfSpeculative(position_cost=)
 
     def settings(self) -> dict:
         """The constructor arguments (besides the fingerprint) that rebuild these heads."""
         raise NotImplementedError
 
     def config_dict(self) -> dict:
-        return {"kind": self.kind, **self.settings(), "target": self.fingerprint.to_dict()}
+        settings = {**self.settings(), "position_cost": self.position_cost}
+        return {"kind": self.kind, **settings, "target": self.fingerprint.to_dict()}
 
     def save_pretrained(self, path: str | os.PathLike, card: str | None = None) -> None:
         """Write config, weights and card atomically: a crash leaves the old folder or the new one."""
@@ -98,8 +102,9 @@ class ExitHeads(DraftHeads):
         intermediate_size: int | None = None,
         num_draft_tokens: int | None = None,
         exit_layer: int | None = None,
+        position_cost: float | None = None,
     ):
-        super().__init__(fingerprint, num_draft_tokens)
+        super().__init__(fingerprint, num_draft_tokens, position_cost)
         if not exit_layers:
             raise ValueError("ExitHeads needs at least one exit layer.")
         for layer in exit_layers:
@@ -164,8 +169,9 @@ class MedusaHeads(DraftHeads):
         own_lm_head: bool = False,
         num_draft_tokens: int | None = None,
         tree: list[list[int]] | None = None,
+        position_cost: float | None = None,
     ):
-        super().__init__(fingerprint, num_draft_tokens)
+        super().__init__(fingerprint, num_draft_tokens, position_cost)
         self.tree = [list(path) for path in tree] if tree is not None else None  # default candidate tree
         if num_heads < 1 or num_layers < 1:
             raise ValueError(f"MedusaHeads needs num_heads >= 1 and num_layers >= 1; got {num_heads}, {num_layers}.")

@@ -83,6 +83,9 @@ class SelfSpeculative:
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
         draft_confidence: stop drafting a chain early in an iteration once the drafted token's draft
             probability is below this (every row's, in a batch). Default: off (always draft gamma).
+        position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
+            verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
+            verification is compute-bound. Default: the heads' setting (`selfspec tune` measures it), else 0.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class SelfSpeculative:
         draft_cost: float | None = None,
         draft_vocab=None,
         draft_confidence: float | None = None,
+        position_cost: float | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -132,6 +136,10 @@ class SelfSpeculative:
         if draft_confidence is not None and not 0.0 < draft_confidence < 1.0:
             raise ValueError(f"draft_confidence={draft_confidence!r} must be a probability between 0 and 1.")
         self.drafter.stop_below = draft_confidence
+        recorded = heads.position_cost if heads is not None else None
+        self.position_cost = position_cost if position_cost is not None else (recorded or 0.0)
+        if not self.position_cost >= 0:
+            raise ValueError(f"position_cost={position_cost!r} must be a non-negative number.")
         self.exit_layer = exit_layer
         self.num_draft_tokens = num_draft_tokens
         self.stats: GenerationStats | None = None
@@ -177,14 +185,14 @@ class SelfSpeculative:
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
         tree = getattr(self.drafter, "tree", None) if self.num_draft_tokens else None
         if self.adaptive and tree is None:
-            call.controller = DraftController(self.num_draft_tokens, self.draft_cost)
+            call.controller = DraftController(self.num_draft_tokens, self.draft_cost, position_cost=self.position_cost)
         while not finished:
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
             # a tree's deepest node sits `depth` positions after the pending token
             if tree is not None and span >= tree.max_depth + 1:
                 finished = self.tree_step(call)
             elif call.controller is not None:
-                finished = self.speculative_step(call, call.controller.choose(span - 1))
+                finished = self.speculative_step(call, call.controller.choose(span - 1, call.state.batch_size))
             else:  # no tree, or no room for it: a chain of at most span - 1 drafts
                 finished = self.speculative_step(call, min(self.num_draft_tokens, span - 1))
         if setup.streamer is not None:

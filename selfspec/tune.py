@@ -18,12 +18,14 @@ candidate side by side with `model.generate` and reports the tuned point against
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .adapter import ModelAdapter
+from .adaptive import position_cost_from
 from .bench import DEFAULT_TREE
 from .distill import measure_costs
 from .heads import DraftHeads, ExitHeads, MedusaHeads
@@ -103,8 +105,10 @@ def tune(
     do_sample: bool = False,
     timing_repeats: int = 20,
     draft_vocab=None,
-) -> list[Choice]:
-    """Every candidate configuration with its predicted speedup, best first."""
+) -> tuple[list[Choice], float]:
+    """Every candidate configuration with its predicted speedup, best first, and the position cost r fitted
+    to the measured v(gamma) (the median over gamma of r solving v = (1 + r (gamma+1)) / (1 + r); the
+    adaptive controller uses it to shrink gamma as the batch grows)."""
     adapter = ModelAdapter(model)
     medusa = isinstance(heads, MedusaHeads)
     trees = [[p for p in tree if len(p) <= heads.num_heads] for tree in CANDIDATE_TREES] if medusa else []
@@ -137,12 +141,14 @@ def tune(
             tokens = stats["new_tokens"] / stats["row_passes"]
             cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
             choices.append(Choice("medusa", None, len(tree), tree, tokens, cost, c, cost - depth * c))
-    return sorted(choices, key=lambda choice: -choice.predicted)
+    position_cost = statistics.median(position_cost_from(costs.v(g), g) for g in range(1, longest + 1))
+    return sorted(choices, key=lambda choice: -choice.predicted), position_cost
 
 
-def apply_choice(heads: DraftHeads, choice: Choice) -> None:
-    """Make `choice` the heads' defaults (gamma, and the exit layer or the tree)."""
+def apply_choice(heads: DraftHeads, choice: Choice, position_cost: float | None = None) -> None:
+    """Make `choice` the heads' defaults (gamma, and the exit layer or the tree), with the position cost."""
     heads.num_draft_tokens = choice.gamma if choice.tree is None else None
+    heads.position_cost = position_cost
     if isinstance(heads, ExitHeads):
         heads.exit_layer = choice.exit_layer
     else:

@@ -94,3 +94,33 @@ def test_unsure_drafts_stop_early_and_output_stays_exact(arch):
         assert per_iteration[1] < per_iteration[0] - 0.5, per_iteration  # shorter chains with the stop
     with pytest.raises(ValueError, match="draft_confidence=1.5 must be a probability"):
         SelfSpeculative(model, draft_confidence=1.5)
+
+
+def test_gamma_shrinks_to_zero_as_the_batch_grows_when_positions_cost():
+    from selfspec.adaptive import position_cost_from
+
+    r = position_cost_from(1.2, 1)  # v(1) = 1.2 at one row, as measured on a CPU
+    assert r == pytest.approx(0.25)
+    controller = DraftController(max_drafts=4, draft_cost=0.05, position_cost=r)
+    assert controller.verify_cost_at(1, 1) == pytest.approx(1.2)
+    assert controller.verify_cost_at(1, 16) == pytest.approx(9 / 5)  # (1 + 0.25 * 32) / (1 + 0.25 * 16)
+    for _ in range(20):
+        controller.update(2, [1])  # half of the drafts accepted
+    chosen = [controller.choose(10, rows) for rows in (1, 2, 4, 8, 16)]
+    assert chosen[0] >= 1 and chosen[-1] == 0 and chosen == sorted(chosen, reverse=True), chosen
+    free = DraftController(max_drafts=4, draft_cost=0.05)  # r = 0: v = 1 at every batch size
+    for _ in range(20):
+        free.update(2, [1])
+    assert free.choose(10, 16) == free.choose(10, 1) >= 1
+
+
+def test_batched_generation_with_a_position_cost_stays_exact():
+    from tiny_models import padded_prompts
+
+    model = tiny_model("llama")
+    ids, mask = padded_prompts([4, 9, 6, 7], seed=3)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    spec = SelfSpeculative(model, exit_layer=3, position_cost=0.5)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False), expected)
+    with pytest.raises(ValueError, match="position_cost=-1"):
+        SelfSpeculative(model, position_cost=-1)

@@ -150,7 +150,8 @@ def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path
     adapter = ModelAdapter(model)
     heads = ExitHeads(adapter.fingerprint(), [1, 3])
     prompts = [random_prompt(6, seed=5), random_prompt(11, seed=6)]
-    choices = tune(model, heads, prompts, max_new_tokens=16, max_gamma=4, timing_repeats=2)
+    choices, position_cost = tune(model, heads, prompts, max_new_tokens=16, max_gamma=4, timing_repeats=2)
+    assert position_cost >= 0
     assert len(choices) == 2 * 4  # every exit depth with gamma 1..4
     assert [c.predicted for c in choices] == sorted((c.predicted for c in choices), reverse=True)
     for choice in choices:
@@ -170,12 +171,12 @@ def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path
     ]
 
     best = choices[0]
-    apply_choice(heads, best)
+    apply_choice(heads, best, 0.25)
     heads.save_pretrained(tmp_path / "h", card=tuned_card("# card\n\nbody\n", "| t |", best, "selfspec tune"))
     loaded = load_heads(tmp_path / "h", adapter)
     assert loaded.exit_layer == best.exit_layer and loaded.num_draft_tokens == best.gamma
     spec = SelfSpeculative(model, heads=loaded)
-    assert spec.exit_layer == best.exit_layer and spec.num_draft_tokens == best.gamma
+    assert spec.exit_layer == best.exit_layer and spec.num_draft_tokens == best.gamma and spec.position_cost == 0.25
     card = (tmp_path / "h" / "README.md").read_text()
     assert card.startswith("# card\n\nbody") and card.count("## Tuned defaults") == 1
     again = tuned_card(card, "| u |", best, "selfspec tune")
