@@ -1,9 +1,10 @@
-"""`selfspec demo` and `selfspec bench`: load a target and its heads, run the contenders, report.
+"""`selfspec demo`, `selfspec bench` and `selfspec tune`: load a target and its heads, run, report.
 
 The demo completes a few held-out code prompts with the bundled demo target (heads/demo-target, trained by
 this project) three ways: plain `model.generate`, selfspec early exit with the trained exit heads and
 selfspec Medusa; it prints the completions, checks that the greedy outputs are identical, and reports
-tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a PNG).
+tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a PNG). `bench` and `tune`
+take the same model arguments (see `selfspec.bench` and `selfspec.tune` for what they measure).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
     )
 
 
-def load_target(args: argparse.Namespace, bundled: bool):
+def load_target(args: argparse.Namespace):
     """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,7 +130,7 @@ def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> li
 def run_demo(args: argparse.Namespace) -> int:
     from .profile import format_table, plot_alpha
 
-    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
+    model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
     contenders = demo_contenders(model, heads, vocab)
@@ -162,7 +163,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     import transformers
 
-    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
+    model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
     if args.batch_sizes:
@@ -273,7 +274,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     from .heads import CARD_NAME
     from .tune import apply_choice, format_choices, tune, tuned_card
 
-    model, tokenizer, heads, prompts, vocab = load_target(args, bundled=True)
+    model, tokenizer, heads, prompts, vocab = load_target(args)
     if not heads:
         raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
