@@ -50,6 +50,9 @@ class DraftController:
     _probe_interval: int = field(default=0, init=False)
     _probing: bool = field(default=False, init=False)
 
+    def __post_init__(self):
+        self._probe_interval = self.probe_every
+
     @property
     def alpha(self) -> float:
         return (self._accepted + self.prior_alpha * self.prior_weight) / (self._tested + self.prior_weight)
@@ -78,7 +81,7 @@ class DraftController:
             self._plain_steps, self._probe_interval = 0, self.probe_every
             return best
         self._plain_steps += 1
-        if self._plain_steps < (self._probe_interval or self.probe_every):
+        if self._plain_steps < self._probe_interval:
             return 0
         self._plain_steps, self._probing = 0, True
         return 1  # a probe keeps alpha up to date
@@ -88,8 +91,8 @@ class DraftController:
         if gamma == 0:
             return
         if self._probing:  # a rejected probe: wait twice as long for the next one
-            interval = self._probe_interval or self.probe_every
-            self._probe_interval = self.probe_every if any(num_accepted) else min(2 * interval, self.max_probe_every)
+            failed = min(2 * self._probe_interval, self.max_probe_every)
+            self._probe_interval = self.probe_every if any(num_accepted) else failed
         self._accepted = self.decay * self._accepted + sum(num_accepted)
         # the rule tests positions 1..n+1 (all gamma when every draft is accepted)
         self._tested = self.decay * self._tested + sum(min(n + 1, gamma) for n in num_accepted)

@@ -27,14 +27,20 @@ from torch import nn
 from .adaptive import predicted_speedup
 from .heads import ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
+from .stats import sum_stats
 
 # A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.
 DEFAULT_TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 
+def cut_tree(tree: list[list[int]], depth: int) -> list[list[int]]:
+    """The paths of `tree` no deeper than `depth` (the number of Medusa heads)."""
+    return [path for path in tree if len(path) <= depth]
+
+
 def tree_for(heads: MedusaHeads) -> list[list[int]]:
     """The heads' own tree, else DEFAULT_TREE cut to their depth."""
-    return heads.tree or [path for path in DEFAULT_TREE if len(path) <= heads.num_heads]
+    return heads.tree or cut_tree(DEFAULT_TREE, heads.num_heads)
 
 
 @dataclass
@@ -278,8 +284,7 @@ def summarize(contenders: list[Contender]) -> list[dict]:
 
 def _acceptance(contender: Contender, step: float | None) -> dict:
     """Acceptance and costs over all runs of one selfspec contender, and the equation's prediction."""
-    counted = [key for key, value in contender.stats[0].items() if isinstance(value, int | float) and key != "alpha"]
-    total = {key: sum(s[key] for s in contender.stats) for key in counted}
+    total = sum_stats(contender.stats)
     alphas = [s["alpha"] for s in contender.stats if s["alpha"] == s["alpha"]]  # NaN when nothing was drafted
     out = {
         "alpha_hat": total["accepted"] / total["proposed"] if total["proposed"] else None,

@@ -225,9 +225,8 @@ def frequent_tokens(token_ids, count: int, always=()) -> torch.Tensor:
     Ties go to the smaller id; the result is sorted."""
     parts = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
     flat = torch.cat([torch.as_tensor(part).flatten() for part in parts]).long()
-    counts = torch.bincount(flat)
-    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))[:count]
-    return torch.tensor(sorted(set(order) | {int(i) for i in always}), dtype=torch.long)
+    order = torch.sort(torch.bincount(flat), descending=True, stable=True).indices[:count]  # ties: smaller id
+    return torch.cat([order, torch.as_tensor(list(always), dtype=torch.long)]).unique()
 
 
 def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None) -> int:

@@ -74,6 +74,23 @@ class GenerationStats:
                 self.accepted_per_position[position] += int(position < accepted)
 
 
+def sum_stats(runs: list[dict]) -> dict:
+    """The counters and times of several runs' `GenerationStats.to_dict()` added up (per-position lists
+    position by position); alpha and the ratios derived from the counters are left out."""
+    derived = {"alpha", "alpha_hat", "tokens_per_pass", "tokens_per_second"}
+    total: dict = {}
+    for run in runs:
+        for key, value in run.items():
+            if isinstance(value, list):  # per draft position
+                summed = total.setdefault(key, [])
+                summed.extend([0] * (len(value) - len(summed)))
+                for position, count in enumerate(value):
+                    summed[position] += count
+            elif isinstance(value, int | float) and key not in derived:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 class Stopwatch:
     """Sums the time spent in named sections without synchronising the device inside the loop.
 

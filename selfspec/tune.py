@@ -26,10 +26,11 @@ from torch import nn
 
 from .adapter import ModelAdapter
 from .adaptive import position_cost_from
-from .bench import DEFAULT_TREE
+from .bench import DEFAULT_TREE, cut_tree
 from .distill import measure_costs
 from .heads import DraftHeads, ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
+from .stats import sum_stats
 
 CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
     [[0], [1], [0, 0], [1, 0], [0, 0, 0]],
@@ -72,20 +73,13 @@ class Choice:
 
 
 def run_prompts(spec: SelfSpeculative, prompts: list[torch.Tensor], max_new_tokens: int, do_sample: bool):
-    """Generate for every prompt; return the summed statistics as a dict."""
-    total: dict = {}
+    """Generate for every prompt; return the summed statistics as a dict (`sum_stats`)."""
+    runs = []
     for prompt in prompts:
         spec.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                       do_sample=do_sample)  # fmt: skip
-        for key, value in spec.stats.to_dict().items():
-            if isinstance(value, list):  # per draft position
-                summed = total.setdefault(key, [])
-                summed.extend([0] * (len(value) - len(summed)))
-                for position, count in enumerate(value):
-                    summed[position] += count
-            elif isinstance(value, int | float) and key != "alpha":
-                total[key] = total.get(key, 0) + value
-    return total
+        runs.append(spec.stats.to_dict())
+    return sum_stats(runs)
 
 
 def prefix_acceptance(stats: dict, gamma: int) -> list[float]:
@@ -111,7 +105,7 @@ def tune(
     adaptive controller uses it to shrink gamma as the batch grows)."""
     adapter = ModelAdapter(model)
     medusa = isinstance(heads, MedusaHeads)
-    trees = [[p for p in tree if len(p) <= heads.num_heads] for tree in CANDIDATE_TREES] if medusa else []
+    trees = [cut_tree(tree, heads.num_heads) for tree in CANDIDATE_TREES] if medusa else []
     longest = max([max_gamma if not medusa else heads.num_heads] + [len(t) for t in trees])
     reference = model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), do_sample=False,
                                max_new_tokens=max(longest + 2, 16))  # fmt: skip
