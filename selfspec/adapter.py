@@ -316,20 +316,27 @@ class ModelAdapter:
                 else:
                     layer.forward = previous
 
-    def head_logits(self, hidden: torch.Tensor, vocab: DraftVocabulary | None = None) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, vocab: DraftVocabulary | None = None, lora=None) -> torch.Tensor:
         """The model's own final norm and LM head (with its logit soft-capping) on `hidden`."""
-        return self.lm_logits(self.final_norm(hidden), vocab=vocab)
+        return self.lm_logits(self.final_norm(hidden), vocab=vocab, lora=lora)
 
     def lm_logits(
-        self, normed: torch.Tensor, lm_head: nn.Module | None = None, vocab: DraftVocabulary | None = None
+        self, normed: torch.Tensor, lm_head: nn.Module | None = None, vocab: DraftVocabulary | None = None, lora=None
     ) -> torch.Tensor:
         """The LM head (the model's own unless another is given) and the model's soft-capping; with a draft
-        `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf."""
+        `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf; with a draft
+        `lora` (`selfspec.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
+        if lora is not None and lm_head is not None:
+            raise ValueError("A draft LoRA adapts the model's own LM head, not a head's own.")
         if vocab is not None and lm_head is None:
-            return vocab.spread(self._softcap(nn.functional.linear(normed, vocab.weight, vocab.bias)))
+            logits = nn.functional.linear(normed, vocab.weight, vocab.bias)
+            if lora is not None:
+                logits = logits + lora.delta(normed, vocab.ids)
+            return vocab.spread(self._softcap(logits))
         if vocab is not None:
             raise ValueError("A reduced draft vocabulary applies to the model's own LM head, not to a head's own.")
-        return self._softcap((lm_head or self.lm_head)(normed))
+        logits = (lm_head or self.lm_head)(normed)
+        return self._softcap(logits + lora.delta(normed) if lora is not None else logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap

@@ -210,6 +210,27 @@ class HeadsConfig:
 
 
 @dataclass
+class DraftLoraConfig:
+    r: int = 0  # rank of a draft-only LoRA on the shared LM head, trained with the heads (0: none)
+    alpha: float = 32.0  # peft's lora_alpha: the update is scaled by alpha / r (alpha / sqrt(r) with rslora)
+    dropout: float = 0.0  # peft's lora_dropout on the LM head's input, while training
+    rslora: bool = False  # peft's use_rslora
+    init: str = "default"  # peft's init_lora_weights: default (A Kaiming-uniform, B zero) | gaussian
+    target: str = "lm_head"  # the adapted module: the shared LM head only (the verify pass never uses the adapter)
+    baseline_heads: str | None = None  # heads trained with this config but no adapter: the card compares alpha
+
+    def __post_init__(self):
+        _one_of("lora.init", self.init, ("default", "gaussian"))
+        if self.r < 0:
+            raise ValueError(f"lora.r must be 0 (no adapter) or a positive rank, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        from .lora import check_target
+
+        check_target(self.target)
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0  # heads initialisation and the order of training rows
     max_steps: int = 2000  # optimizer steps; the cosine schedule ends here
@@ -275,6 +296,7 @@ class TrainHeadsConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
+    lora: DraftLoraConfig = field(default_factory=DraftLoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

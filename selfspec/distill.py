@@ -115,7 +115,7 @@ def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draf
     if isinstance(heads, ExitHeads):
 
         def exit_logits(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda hidden: adapter.head_logits(to_target(block(hidden)))
+            return lambda hidden: adapter.head_logits(to_target(block(hidden)), lora=heads.draft_lora)
 
         return [
             Draft(f"exit_{k}", head_input(hidden_states[k]), 0, exit_logits(heads.head_for(k)))
@@ -137,7 +137,7 @@ def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draf
                 normed[:, : length - shift],
                 shift,
                 lambda h, blocks=blocks, lm_head=lm_head: adapter.lm_logits(
-                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head
+                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head, lora=heads.draft_lora
                 ),
             )
         )
@@ -282,7 +282,9 @@ def measure_costs(
     def exit_draft(k: int):
         ids, positions = after(1)
         block = heads.head_for(k)
-        return lambda fresh_cache: adapter.head_logits(block(adapter.run_lower(ids, positions, fresh_cache, k)), vocab)
+        return lambda fresh_cache: adapter.head_logits(
+            block(adapter.run_lower(ids, positions, fresh_cache, k)), vocab, heads.draft_lora
+        )
 
     calls: dict[object, Callable[[object], object]] = {"step": full(1)}
     if isinstance(heads, MedusaHeads):

@@ -12,6 +12,7 @@ from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter
 from .heads import DraftHeads, MedusaHeads
+from .lora import DraftLoRA
 from .state import DecodeState
 from .tree import CandidateTree
 
@@ -78,11 +79,13 @@ class EarlyExitDrafter:
         exit_layer: int,
         head: nn.Module | None = None,
         vocab: DraftVocabulary | None = None,
+        lora: DraftLoRA | None = None,
     ):
         self.adapter = adapter
         self.exit_layer = exit_layer
         self.head = head
         self.vocab = vocab
+        self.lora = lora  # a draft-only LoRA on the shared LM head (`selfspec.lora`)
         self.stop_below: float | None = None  # draft confidence under which a chain stops early
         self._hidden: list[torch.Tensor] = []
 
@@ -92,14 +95,14 @@ class EarlyExitDrafter:
         layers = [sum(p.numel() for p in layer.parameters()) for layer in self.adapter.layers]
         head = sum(p.numel() for p in self.adapter.lm_head.parameters())
         extra = sum(p.numel() for p in self.head.parameters()) if self.head is not None else 0
-        return (sum(layers[: self.exit_layer]) + extra + draft_head_size(self.adapter, self.vocab)) / (
+        return (sum(layers[: self.exit_layer]) + extra + draft_head_size(self.adapter, self.vocab, self.lora)) / (
             sum(layers) + head
         )
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             hidden = self.head(hidden)
-        return self.adapter.head_logits(hidden, self.vocab)
+        return self.adapter.head_logits(hidden, self.vocab, self.lora)
 
     def _lower(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Layers 0..k-1 over `tokens` [batch, n] at sequence indices start..start+n-1."""
@@ -172,10 +175,13 @@ class MedusaDrafter:
         is counted too, since each head's proposal goes through it."""
         layers = sum(p.numel() for p in self.adapter.layers.parameters())
         head = sum(p.numel() for p in self.adapter.lm_head.parameters())
-        per_head = sum(p.numel() for p in self.heads.parameters()) / self.heads.num_heads
-        return (per_head + (0 if self.heads.own_lm_head else draft_head_size(self.adapter, self.vocab))) / (
-            layers + head
-        )
+        heads = self.heads
+        per_head = sum(p.numel() for p in heads.blocks.parameters()) / heads.num_heads
+        if heads.own_lm_head:
+            per_head += sum(p.numel() for p in heads.lm_heads.parameters()) / heads.num_heads
+        else:
+            per_head += draft_head_size(self.adapter, self.vocab, heads.draft_lora)
+        return per_head / (layers + head)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The normed hidden state [batch, H] whose LM-head output gave the pending token."""
@@ -229,11 +235,17 @@ def frequent_tokens(token_ids, count: int, always=()) -> torch.Tensor:
     return torch.cat([order, torch.as_tensor(list(always), dtype=torch.long)]).unique()
 
 
-def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None) -> int:
-    """Parameters of the LM head a draft token reads: all of it, or the draft vocabulary's rows."""
+def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None, lora: DraftLoRA | None = None) -> int:
+    """Parameters of the LM head a draft token reads: all of it, or the draft vocabulary's rows, and the
+    draft LoRA's factors (B's rows for the draft vocabulary only)."""
     if vocab is None:
-        return sum(p.numel() for p in adapter.lm_head.parameters())
-    return vocab.weight.numel() + (vocab.bias.numel() if vocab.bias is not None else 0)
+        size = sum(p.numel() for p in adapter.lm_head.parameters())
+    else:
+        size = vocab.weight.numel() + (vocab.bias.numel() if vocab.bias is not None else 0)
+    if lora is not None:
+        rows = adapter.vocab_size if vocab is None else vocab.ids.numel()
+        size += lora.r * (lora.lora_A.in_features + rows)
+    return size
 
 
 def build_drafter(
@@ -264,4 +276,5 @@ def build_drafter(
             f"exit_layer must be an integer from 1 to {num_layers - 1}."
         )
     head = heads.head_for(exit_layer) if heads is not None else None
-    return EarlyExitDrafter(adapter, exit_layer, head, vocab), exit_layer, MAX_DRAFT_TOKENS
+    lora = heads.draft_lora if heads is not None else None
+    return EarlyExitDrafter(adapter, exit_layer, head, vocab, lora), exit_layer, MAX_DRAFT_TOKENS

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
+from .lora import DraftLoRA
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -36,24 +37,33 @@ class HeadsMismatchError(ValueError):
 
 
 class DraftHeads(nn.Module):
-    """What every kind of heads shares: the target fingerprint, a default gamma, the folder format."""
+    """What every kind of heads shares: the target fingerprint, a default gamma, an optional draft-only LoRA
+    on the shared LM head (`selfspec.lora`), the folder format."""
 
     kind = ""
 
     def __init__(
-        self, fingerprint: ModelFingerprint, num_draft_tokens: int | None = None, position_cost: float | None = None
+        self,
+        fingerprint: ModelFingerprint,
+        num_draft_tokens: int | None = None,
+        position_cost: float | None = None,
+        draft_lora: dict | None = None,
     ):
         super().__init__()
         self.fingerprint = fingerprint
         self.num_draft_tokens = num_draft_tokens
         self.position_cost = position_cost  # measured by `selfspec tune`: see SelfSpeculative(position_cost=)
+        self.draft_lora = (
+            DraftLoRA.from_settings(fingerprint.hidden_size, fingerprint.vocab_size, draft_lora) if draft_lora else None
+        )
 
     def settings(self) -> dict:
         """The constructor arguments (besides the fingerprint) that rebuild these heads."""
         raise NotImplementedError
 
     def config_dict(self) -> dict:
-        settings = {**self.settings(), "position_cost": self.position_cost}
+        lora = self.draft_lora.settings() if self.draft_lora is not None else None
+        settings = {**self.settings(), "position_cost": self.position_cost, "draft_lora": lora}
         return {"kind": self.kind, **settings, "target": self.fingerprint.to_dict()}
 
     def save_pretrained(self, path: str | os.PathLike, card: str | None = None) -> None:
@@ -103,8 +113,9 @@ class ExitHeads(DraftHeads):
         num_draft_tokens: int | None = None,
         exit_layer: int | None = None,
         position_cost: float | None = None,
+        draft_lora: dict | None = None,
     ):
-        super().__init__(fingerprint, num_draft_tokens, position_cost)
+        super().__init__(fingerprint, num_draft_tokens, position_cost, draft_lora)
         if not exit_layers:
             raise ValueError("ExitHeads needs at least one exit layer.")
         for layer in exit_layers:
@@ -170,8 +181,11 @@ class MedusaHeads(DraftHeads):
         num_draft_tokens: int | None = None,
         tree: list[list[int]] | None = None,
         position_cost: float | None = None,
+        draft_lora: dict | None = None,
     ):
-        super().__init__(fingerprint, num_draft_tokens, position_cost)
+        if own_lm_head and draft_lora:
+            raise ValueError("a draft LoRA adapts the shared LM head; Medusa heads with their own LM heads have none")
+        super().__init__(fingerprint, num_draft_tokens, position_cost, draft_lora)
         self.tree = [list(path) for path in tree] if tree is not None else None  # default candidate tree
         if num_heads < 1 or num_layers < 1:
             raise ValueError(f"MedusaHeads needs num_heads >= 1 and num_layers >= 1; got {num_heads}, {num_layers}.")
@@ -217,7 +231,7 @@ class MedusaHeads(DraftHeads):
         for index, blocks in enumerate(self.blocks[:count]):
             state = blocks(hidden)
             own = self.lm_heads[index] if self.lm_heads is not None else None
-            per_head.append(adapter.lm_logits(state, own, vocab))
+            per_head.append(adapter.lm_logits(state, own, vocab, self.draft_lora))
         return torch.stack(per_head, dim=1)
 
 

@@ -148,9 +148,12 @@ def plot_alpha(rows: list[dict], path: str | os.PathLike, title: str = "") -> No
     plt.close(figure)
 
 
-def heads_card(config: TrainHeadsConfig, heads: DraftHeads, rows: list[dict], facts: dict) -> str:
+def heads_card(
+    config: TrainHeadsConfig, heads: DraftHeads, rows: list[dict], facts: dict, lora_table: str | None = None
+) -> str:
     """The README.md of a heads folder written by training/train_heads.py: target, data, the commands, steps,
-    held-out figures per draft (`report_rows`); `facts` as that script's training_summary.json holds them."""
+    held-out figures per draft (`report_rows`), what a draft LoRA buys (`selfspec.lora.comparison_table`);
+    `facts` as that script's training_summary.json holds them."""
     fp = heads.fingerprint
     kind = "exit heads (one per exit depth)" if isinstance(heads, ExitHeads) else f"{heads.num_heads} Medusa heads"
     commands = "\n".join(facts["commands"])
@@ -181,13 +184,31 @@ at the best gamma (v = 1 unless measured; Medusa: a chain of the first gamma hea
 the closed form assumes i.i.d. acceptances.
 
 {format_table(rows)}
-
+{lora_section(config, heads, lora_table)}
 ## Use
 
 ```python
 from selfspec import SelfSpeculative
 spec = SelfSpeculative(model, heads="{config.heads_dir}")
 ```
+"""
+
+
+def lora_section(config: TrainHeadsConfig, heads: DraftHeads, table: str | None) -> str:
+    if heads.draft_lora is None or table is None:
+        return ""
+    lora = heads.draft_lora
+    baseline = config.lora.baseline_heads
+    baseline = f", and of the heads at `{baseline}` (the same config, no adapter)" if baseline else ""
+    return f"""
+## Draft-only LoRA on the LM head
+
+A LoRA adapter (peft; r = {lora.r}, lora_alpha = {lora.lora_alpha:g}, scaling {lora.scaling:g}) on the shared LM head,
+trained with the heads. Drafts read W h + scaling B A h; the verify pass runs the unmodified target (the adapter
+is never applied there), so outputs stay exact and only alpha moves. Held-out alpha of these heads with the
+adapter and with it switched off{baseline}:
+
+{table}
 """
 
 

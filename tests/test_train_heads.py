@@ -125,7 +125,7 @@ def write_config(world: dict, name: str, **overrides) -> Path:
     }
     for key, value in overrides.items():
         section, leaf = key.split(".")
-        config[section][leaf] = value
+        config.setdefault(section, {})[leaf] = value
     path = world["root"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -515,3 +515,36 @@ def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):
             prompt, max_new_tokens=20, do_sample=False, eos_token_id=None
         )
         assert torch.equal(out, expected), tree
+
+
+def test_draft_lora_trains_with_the_heads_and_its_gain_goes_in_the_card(world, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    steps = {"train.max_steps": 8, "eval.every": 8, "heads.exit_layers": [1, 2]}
+    train_in_process(write_config(world, "lora_base", **steps))
+    baseline = world["root"] / "lora_base" / "heads"
+    overrides = {"lora.r": 4, "lora.alpha": 8.0, "lora.baseline_heads": str(baseline)}
+    train_in_process(write_config(world, "lora", **steps, **overrides))
+    facts = summary(world, "lora")
+    assert facts["steps"] == 8 and facts["target_digest"] == facts["target_digest_before"]
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    heads = load_heads(world["root"] / "lora" / "heads", ModelAdapter(model))
+    assert heads.draft_lora is not None and heads.draft_lora.r == 4
+    assert heads.draft_lora.lora_B.weight.abs().sum() > 0  # B starts at zero: training moved it
+    card = (world["root"] / "lora" / "heads" / "README.md").read_text()
+    assert "## Draft-only LoRA on the LM head" in card and "heads trained without adapter" in card
+    table = [line for line in card.splitlines() if line.startswith("| exit_")]
+    on, off, without = (float(cell) for cell in table[-1].split("|")[2:5])  # the exit_2 row of the LoRA table
+    assert 0 < on <= 1 and 0 < off <= 1 and 0 < without <= 1 and on != off
+    prompt = torch.tensor([[VOCAB["w3"], VOCAB["w8"]]])
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = SelfSpeculative(model, heads=heads).generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, expected)
+
+
+def test_draft_lora_baseline_must_match_the_heads(world, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    medusa = {"heads.kind": "medusa", "heads.num_heads": 2, "train.max_steps": 2, "eval.every": 2}
+    train_in_process(write_config(world, "lora_medusa_base", **medusa))
+    wrong = {"lora.r": 2, "lora.baseline_heads": str(world["root"] / "lora_medusa_base" / "heads")}
+    with pytest.raises(ValueError, match=r"has the drafts \['medusa_0', 'medusa_1'\]; these heads have \['exit_2'\]"):
+        train_in_process(write_config(world, "lora_wrong", **{"heads.exit_layers": [2]}, **wrong))

@@ -43,8 +43,9 @@ from selfspec.config import (
     save_config,
 )
 from selfspec.data import load_rows, row_tensor
-from selfspec.distill import DistillationObjective, state_digest, target_pass
-from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.distill import DistillationObjective, draft_names, state_digest, target_pass
+from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+from selfspec.lora import DraftLoRA, comparison_table, peft_lora_config
 from selfspec.profile import (
     configure_wandb,
     evaluate,
@@ -112,9 +113,32 @@ def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
     if hc.kind == "medusa":
         heads = MedusaHeads(adapter.fingerprint(), hc.num_heads, hc.num_layers, hc.own_lm_head, hc.num_draft_tokens)
         heads.init_own_lm_heads(adapter.lm_head)
-        return heads
-    layers = hc.exit_layers or default_exit_layers(adapter.num_layers)
-    return ExitHeads(adapter.fingerprint(), layers, hc.intermediate_size, hc.num_draft_tokens)
+    else:
+        layers = hc.exit_layers or default_exit_layers(adapter.num_layers)
+        heads = ExitHeads(adapter.fingerprint(), layers, hc.intermediate_size, hc.num_draft_tokens)
+    lc = config.lora
+    if lc.r:  # peft builds the draft-only adapter on the LM head; its factors train with the heads
+        heads.draft_lora = DraftLoRA.from_peft(
+            adapter.lm_head, peft_lora_config(lc.r, lc.alpha, lc.dropout, lc.rslora, lc.init)
+        )
+    return heads
+
+
+def load_baseline(config: TrainHeadsConfig, adapter: ModelAdapter, heads: DraftHeads) -> DraftHeads | None:
+    """`lora.baseline_heads`, checked before training: heads of the same kind and drafts, with no adapter."""
+    path = config.lora.baseline_heads
+    if path is None:
+        return None
+    if not config.lora.r:
+        raise ValueError("lora.baseline_heads is set but lora.r is 0: there is no adapter to compare with")
+    baseline = load_heads(path, adapter)
+    if type(baseline) is not type(heads) or draft_names(baseline) != draft_names(heads):
+        raise ValueError(
+            f"lora.baseline_heads {path} has the drafts {draft_names(baseline)}; these heads have {draft_names(heads)}"
+        )
+    if baseline.draft_lora is not None:
+        raise ValueError(f"lora.baseline_heads {path} carries a draft LoRA itself; give heads trained without one")
+    return baseline.to(adapter.device)
 
 
 @lru_cache(maxsize=4)
@@ -197,6 +221,7 @@ class Run:
             self.rows = load_rows(config.data, tokenizer)
         set_seed(tc.seed)
         self.heads = build_heads(config, self.adapter).to(accelerator.device)
+        self.baseline = load_baseline(config, self.adapter, self.heads)
         objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits)
         optimizer = make_optimizer(objective, tc)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, tc))
@@ -328,6 +353,19 @@ class Run:
             save_checkpoint(acc, config, progress.step)
         self.finish(rows if rows is not None else self.report(costs))
 
+    def lora_comparison(self) -> str:
+        """Held-out alpha with the draft adapter, with it switched off (the same heads) and of the baseline heads."""
+        heads = self.heads
+        lora, heads.draft_lora = heads.draft_lora, None
+        try:
+            off = self.evaluate(heads)
+        finally:
+            heads.draft_lora = lora
+        baseline = self.evaluate(self.baseline) if self.baseline is not None else None
+        table = comparison_table(self.progress.trained, off, baseline)
+        self.accelerator.print(f"draft LoRA:\n{table}")
+        return table
+
     def check_finite(self, loss: torch.Tensor, last_saved: int) -> None:
         """Stop before the optimizer step when any process's loss is NaN or infinite, so that no update made from
         it reaches the heads or a checkpoint; the last good checkpoint stays on disk for `--resume`."""
@@ -361,9 +399,10 @@ class Run:
             if acc.device.type == "cpu"
             else str(acc.device),
         }
+        lora = self.lora_comparison() if self.heads.draft_lora is not None else None
         if acc.is_main_process:
             heads = acc.unwrap_model(self.objective).heads
-            heads.save_pretrained(config.heads_dir, card=heads_card(config, heads, rows, facts))
+            heads.save_pretrained(config.heads_dir, card=heads_card(config, heads, rows, facts, lora))
             summary = {**facts, "target_digest_before": self.target_digest, "heads_dir": config.heads_dir, "rows": rows}
             (self.out / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
             acc.print(f"saved heads to {config.heads_dir} after {progress.step} steps")
