@@ -63,17 +63,34 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 @dataclass
 class DraftVocabulary:
-    """q restricted to a subset of tokens: their rows of the LM head, copied once (N x hidden extra memory),
-    so a draft token's LM-head product reads N rows instead of the whole vocabulary. Tokens outside get
-    -inf, which the accept-reject rule handles exactly (q is zero there; the residual covers them)."""
+    """The LM head as drafts read it: a subset of its rows and/or an int8 copy of them.
 
-    ids: torch.Tensor  # [N] sorted token ids
-    weight: torch.Tensor  # [N, H]
+    A subset (`ids`): their rows, copied once (N x hidden extra memory), so a draft token's LM-head product
+    reads N rows instead of the whole vocabulary. Tokens outside get -inf, which the accept-reject rule
+    handles exactly (q is zero there; the residual covers them). int8 (`scales` set): the rows quantised
+    per row (symmetric, scale = max |w| / 127) and multiplied by torch's int8 weight-only kernel in
+    bfloat16, a quarter of float32's bytes. Either way only q changes; the verify pass uses the model's
+    own LM head."""
+
+    ids: torch.Tensor  # [N] sorted token ids (all V of them for an int8 copy of the whole head)
+    weight: torch.Tensor  # [N, H], int8 when `scales` is set
     bias: torch.Tensor | None  # [N]
     vocab_size: int
+    scales: torch.Tensor | None = None  # [N] bfloat16 row scales of an int8 `weight`
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., N] logits of these rows, in the dtype of `normed`."""
+        if self.scales is None:
+            return nn.functional.linear(normed, self.weight, self.bias)
+        flat = normed.reshape(-1, normed.shape[-1]).to(self.scales.dtype)
+        logits = torch._weight_int8pack_mm(flat, self.weight, self.scales)
+        logits = logits.reshape(*normed.shape[:-1], -1).to(normed.dtype)
+        return logits + self.bias if self.bias is not None else logits
 
     def spread(self, partial: torch.Tensor) -> torch.Tensor:
         """[..., N] logits of the subset -> [..., V] with -inf elsewhere."""
+        if self.ids.numel() == self.vocab_size:
+            return partial
         full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, partial)
 
@@ -329,7 +346,7 @@ class ModelAdapter:
         if lora is not None and lm_head is not None:
             raise ValueError("A draft LoRA adapts the model's own LM head, not a head's own.")
         if vocab is not None and lm_head is None:
-            logits = nn.functional.linear(normed, vocab.weight, vocab.bias)
+            logits = vocab.project(normed)
             if lora is not None:
                 logits = logits + lora.delta(normed, vocab.ids)
             return vocab.spread(self._softcap(logits))
@@ -341,14 +358,35 @@ class ModelAdapter:
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
-    def draft_vocabulary(self, token_ids) -> DraftVocabulary:
-        """A reduced draft vocabulary of these token ids (see `DraftVocabulary`)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted, no repeats
-        if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
-            raise ValueError(f"draft_vocab must list token ids from 0 to {self.vocab_size - 1} (got {ids.numel()} ids)")
+    def draft_vocabulary(self, token_ids=None, quant: str | None = None) -> DraftVocabulary:
+        """The LM head as drafts read it (see `DraftVocabulary`): these token ids' rows (None: all), in the
+        model's dtype or, with quant="int8", quantised per row."""
+        if quant not in (None, "int8"):
+            raise ValueError(f"draft_quant must be None or 'int8', got {quant!r}")
+        if token_ids is None:
+            ids = torch.arange(self.vocab_size)
+        else:
+            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted, no repeats
+            if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
+                raise ValueError(
+                    f"draft_vocab must list token ids from 0 to {self.vocab_size - 1} (got {ids.numel()} ids)"
+                )
         ids = ids.to(self.device)
         bias = getattr(self.lm_head, "bias", None)
         with torch.no_grad():
             weight = self.lm_head.weight.index_select(0, ids)
             bias = bias.index_select(0, ids) if bias is not None else None
-        return DraftVocabulary(ids, weight, bias, self.vocab_size)
+        if quant is None:
+            return DraftVocabulary(ids, weight, bias, self.vocab_size)
+        with torch.no_grad():
+            scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+            weight = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        vocab = DraftVocabulary(ids, weight, bias, self.vocab_size, scales.to(torch.bfloat16))
+        try:  # the kernel's support depends on the device and the shapes: fail here, not mid-generation
+            vocab.project(torch.zeros(1, self.hidden_size, device=self.device, dtype=self.dtype))
+        except (RuntimeError, NotImplementedError) as error:
+            raise ValueError(
+                f"draft_quant='int8' needs torch's int8 weight-only kernel (torch._weight_int8pack_mm) for a "
+                f"{tuple(weight.shape)} head on {self.device}; it failed: {error}"
+            ) from error
+        return vocab

@@ -99,7 +99,8 @@ def standard_contenders(
 ) -> list[Contender]:
     """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
     the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
-    `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts."""
+    `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts; the
+    Medusa chain and the middle trained depth once more with an int8 draft LM head."""
     num_layers = model.config.get_text_config().num_hidden_layers
     exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
     exit_layer = untrained_exit_layer or exit_layer
@@ -124,6 +125,9 @@ def standard_contenders(
             field_.append(selfspec_contender(model, f"selfspec exit {layer} trained, vocab {len(draft_vocab)}", False,
                                              temperature, heads=exit_heads, exit_layer=layer,
                                              draft_vocab=draft_vocab))  # fmt: skip
+        layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+        field_.append(selfspec_contender(model, f"selfspec exit {layer} trained, int8 head", False, temperature,
+                                         heads=exit_heads, exit_layer=layer, draft_quant="int8"))  # fmt: skip
     if medusa_heads is not None:
         tree = tree_for(medusa_heads)
         field_.append(selfspec_contender(model, "selfspec medusa chain", False, temperature,
@@ -136,6 +140,12 @@ def standard_contenders(
                                              heads=medusa_heads, tree=[], draft_vocab=draft_vocab))  # fmt: skip
             field_.append(selfspec_contender(model, f"selfspec medusa tree, vocab {size}", False, temperature,
                                              heads=medusa_heads, tree=tree, draft_vocab=draft_vocab))  # fmt: skip
+        field_.append(selfspec_contender(model, "selfspec medusa chain, int8 head", False, temperature,
+                                         heads=medusa_heads, tree=[], draft_quant="int8"))  # fmt: skip
+        if draft_vocab is not None:
+            field_.append(selfspec_contender(model, f"selfspec medusa chain, vocab {size}, int8 head", False,
+                                             temperature, heads=medusa_heads, tree=[], draft_vocab=draft_vocab,
+                                             draft_quant="int8"))  # fmt: skip
         if sampling:
             suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
             field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}{suffix}", True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def add_profile_parser(commands) -> None:
     profile.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     profile.add_argument("--num_threads", type=int, help="torch threads (1 on a busy CPU: waiting threads skew c)")
     profile.add_argument("--output", default="runs/profile", help="folder for alpha_by_depth.png")
+    profile.add_argument("--draft_vocab", help="a JSON list of token ids: also profile drafts from these rows only")
+    profile.add_argument("--draft_quant", choices=["int8"], help="also profile drafts through an int8 LM head")
     profile.add_argument("--report_to", default="none", choices=["none", "wandb"], help="also log a W&B run")
     profile.add_argument("--project", default="selfspec-profile", help="W&B project")
 
@@ -68,7 +71,11 @@ def run_profile(args: argparse.Namespace) -> int:
         max_gamma=args.max_gamma,
         measure_v=args.measure_v,
     )
-    rows = profile_heads(model, heads, rows_tensor, config, trained=trained)
+    vocab = None
+    if args.draft_vocab or args.draft_quant:
+        ids = json.loads(Path(args.draft_vocab).read_text(encoding="utf-8")) if args.draft_vocab else None
+        vocab = adapter.draft_vocabulary(ids, args.draft_quant)
+    rows = profile_heads(model, heads, rows_tensor, config, trained=trained, vocab=vocab)
     print(f"{args.model}: {rows_tensor.shape[0]} rows of {args.seq_len} tokens from {args.data}")
     print(format_table(rows))
     output = Path(args.output)

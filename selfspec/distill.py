@@ -101,9 +101,12 @@ def draft_names(heads: DraftHeads) -> list[str]:
     return [f"medusa_{i}" for i in range(heads.num_heads)]
 
 
-def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draft]:
+def drafts(
+    heads: DraftHeads, adapter: ModelAdapter, hidden_states, vocab: DraftVocabulary | None = None
+) -> list[Draft]:
     """The drafts of `heads` given one target forward's `hidden_states` (as `output_hidden_states=True`
-    returns them: L+1 entries `[batch, T, H]`, the last one normed)."""
+    returns them: L+1 entries `[batch, T, H]`, the last one normed), through the LM head as `vocab` gives it
+    (a reduced or int8 draft head; None: the model's own)."""
     weight = next(heads.parameters())
 
     def head_input(hidden):  # heads may train in float32 on a half-precision target
@@ -115,7 +118,7 @@ def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draf
     if isinstance(heads, ExitHeads):
 
         def exit_logits(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda hidden: adapter.head_logits(to_target(block(hidden)), lora=heads.draft_lora)
+            return lambda hidden: adapter.head_logits(to_target(block(hidden)), vocab, heads.draft_lora)
 
         return [
             Draft(f"exit_{k}", head_input(hidden_states[k]), 0, exit_logits(heads.head_for(k)))
@@ -137,7 +140,7 @@ def drafts(heads: DraftHeads, adapter: ModelAdapter, hidden_states) -> list[Draf
                 normed[:, : length - shift],
                 shift,
                 lambda h, blocks=blocks, lm_head=lm_head: adapter.lm_logits(
-                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head, lora=heads.draft_lora
+                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head, vocab, heads.draft_lora
                 ),
             )
         )
@@ -190,12 +193,15 @@ class DistillationObjective(nn.Module):
 
 
 @torch.no_grad()
-def score_sums(heads: DraftHeads, adapter: ModelAdapter, hidden_states, logits: torch.Tensor) -> torch.Tensor:
-    """Per draft, sums over positions of (KL(p || q), alpha, top-1 agreement, 1): `[num_drafts, 4]` float64."""
+def score_sums(
+    heads: DraftHeads, adapter: ModelAdapter, hidden_states, logits: torch.Tensor, vocab: DraftVocabulary | None = None
+) -> torch.Tensor:
+    """Per draft, sums over positions of (KL(p || q), alpha, top-1 agreement, 1): `[num_drafts, 4]` float64
+    (KL is infinite where a reduced `vocab` gives q = 0 to a token p has)."""
     log_p = torch.log_softmax(logits.float(), dim=-1)  # [batch, T, V], shared by every draft
     p, top = log_p.exp(), logits.argmax(-1)
     rows = []
-    for draft in drafts(heads, adapter, hidden_states):
+    for draft in drafts(heads, adapter, hidden_states, vocab):
         q_logits = draft.head(draft.hidden)
         log_q = torch.log_softmax(q_logits.float(), dim=-1)
         p_draft = draft.teacher(p)

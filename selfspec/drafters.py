@@ -161,7 +161,9 @@ class MedusaDrafter:
         vocab: DraftVocabulary | None = None,
     ):
         if vocab is not None and heads.own_lm_head:
-            raise ValueError("draft_vocab applies to the shared LM head; these Medusa heads have their own LM heads.")
+            raise ValueError(
+                "draft_vocab and draft_quant apply to the shared LM head; these Medusa heads have their own LM heads."
+            )
         self.adapter = adapter
         self.heads = heads
         self.vocab = vocab
@@ -241,7 +243,9 @@ def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None, lora: 
     if vocab is None:
         size = sum(p.numel() for p in adapter.lm_head.parameters())
     else:
-        size = vocab.weight.numel() + (vocab.bias.numel() if vocab.bias is not None else 0)
+        # in the model's dtype's units: an int8 copy reads a quarter of float32's bytes
+        weight = vocab.weight.numel() * vocab.weight.element_size() / adapter.dtype.itemsize
+        size = weight + (vocab.bias.numel() if vocab.bias is not None else 0)
     if lora is not None:
         rows = adapter.vocab_size if vocab is None else vocab.ids.numel()
         size += lora.r * (lora.lora_A.in_features + rows)

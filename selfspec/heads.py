@@ -284,4 +284,4 @@ def load_heads(path: str | os.PathLike, adapter: ModelAdapter) -> DraftHeads:
             f"Heads weights {path / WEIGHTS_NAME} do not match {CONFIG_NAME}: "
             f"missing {missing}, unexpected {unexpected}."
         )
-    return heads
+    return heads.eval()  # inference: no dropout (a draft LoRA trained with dropout has some)

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from .adapter import DraftVocabulary, ModelAdapter
 from .config import EvalConfig, TrainHeadsConfig
 from .distill import Costs, draft_names, measure_costs, score_sums, speedup_table, target_pass
 from .heads import DraftHeads, ExitHeads, MedusaHeads
@@ -34,15 +34,17 @@ def evaluate(
     rows: torch.Tensor,
     batch_size: int,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    vocabs: dict[str, DraftVocabulary] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Mean KL, alpha and top-1 agreement per draft of each heads set, {label: {draft: {metric: value}}},
-    from one target forward per batch of `rows`; `reduce` sums the totals over processes."""
+    from one target forward per batch of `rows`; `reduce` sums the totals over processes; `vocabs` gives a
+    set's draft LM head (reduced or int8) by label."""
     totals = {label: None for label in heads}
     device = adapter.device
     for batch in rows.split(batch_size):
         hidden_states, logits = target_pass(model, batch.to(device))
         for label, h in heads.items():
-            sums = score_sums(h, adapter, hidden_states, logits)
+            sums = score_sums(h, adapter, hidden_states, logits, (vocabs or {}).get(label))
             totals[label] = sums if totals[label] is None else totals[label] + sums
     result = {}
     for label, h in heads.items():
@@ -66,21 +68,43 @@ def untrained_like(heads: DraftHeads) -> DraftHeads:
     return fresh.to(device=weight.device, dtype=weight.dtype)
 
 
-def measure(adapter: ModelAdapter, heads: DraftHeads, rows: torch.Tensor, config: EvalConfig) -> Costs:
+def measure(
+    adapter: ModelAdapter,
+    heads: DraftHeads,
+    rows: torch.Tensor,
+    config: EvalConfig,
+    vocab: DraftVocabulary | None = None,
+) -> Costs:
     """c per draft (and v(gamma) when `config.measure_v`), timed after the first `timing_context` tokens of `rows`."""
     max_gamma = config.max_gamma if config.measure_v else 0
     tokens = rows.flatten()[: config.timing_context + max(max_gamma, 1) + 1][None].to(adapter.device)
-    return measure_costs(adapter, heads, tokens, config.timing_repeats, max_gamma)
+    return measure_costs(adapter, heads, tokens, config.timing_repeats, max_gamma, vocab)
 
 
-def profile_heads(model: nn.Module, heads: DraftHeads, rows: torch.Tensor, config: EvalConfig, trained: bool = True):
+def profile_heads(
+    model: nn.Module,
+    heads: DraftHeads,
+    rows: torch.Tensor,
+    config: EvalConfig,
+    trained: bool = True,
+    vocab: DraftVocabulary | None = None,
+):
     """Report rows (see `report_rows`) for `heads` on held-out `rows`: untrained and (if `trained`) these heads,
-    measured c and the predicted speedup."""
+    measured c and the predicted speedup; with a draft LM head `vocab` (reduced or int8), also alpha, top-1
+    and c of the heads drafting through it (`draft_alpha`, `draft_top1`, `draft_c`): the alpha / c trade-off."""
     adapter = ModelAdapter(model)
     sets = {"untrained": untrained_like(heads), "trained": heads} if trained else {"untrained": heads}
-    scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size)
+    if vocab is not None:
+        sets["draft head"] = heads
+    scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab})
     costs = measure(adapter, heads, rows, config)
-    return report_rows(heads, scores["untrained"], scores.get("trained"), costs, config.max_gamma)
+    result = report_rows(heads, scores["untrained"], scores.get("trained"), costs, config.max_gamma)
+    if vocab is not None:
+        draft_costs = measure(adapter, heads, rows, config, vocab)
+        for row in result:
+            scored = scores["draft head"][row["draft"]]
+            row.update(draft_alpha=scored["alpha"], draft_top1=scored["top1"], draft_c=draft_costs.c(row["draft"]))
+    return result
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -115,6 +139,9 @@ def format_table(rows: list[dict]) -> str:
         columns += [("alpha", "trained alpha", "{:.3f}"), ("top1", "trained top-1", "{:.3f}"), ("kl", "KL", "{:.3f}")]
     if rows and "c" in rows[0]:
         columns += [("c", "c", "{:.3f}"), ("gamma", "best gamma", "{}"), ("speedup", "predicted speedup", "{:.2f}x")]
+    if rows and "draft_alpha" in rows[0]:
+        columns += [("draft_alpha", "alpha, draft head", "{:.3f}"), ("draft_top1", "top-1, draft head", "{:.3f}")]
+        columns += [("draft_c", "c, draft head", "{:.3f}")]
     cells = [[title for _, title, _ in columns]] + [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in cells]

@@ -81,6 +81,9 @@ class SelfSpeculative:
         draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
             product reads only their rows (copied once), which lowers c when the vocabulary is a large share
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
+        draft_quant: "int8" drafts through an int8 copy of the LM head's rows (all, or `draft_vocab`'s),
+            quantised per row and multiplied by torch's int8 weight-only kernel: a quarter of float32's bytes
+            per draft token, slightly different q, the same exact output. Default: None (the model's dtype).
         draft_confidence: stop drafting a chain early in an iteration once the drafted token's draft
             probability is below this (every row's, in a batch). Default: off (always draft gamma).
         position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
@@ -98,6 +101,7 @@ class SelfSpeculative:
         adaptive: bool | None = None,
         draft_cost: float | None = None,
         draft_vocab=None,
+        draft_quant: str | None = None,
         draft_confidence: float | None = None,
         position_cost: float | None = None,
     ):
@@ -108,7 +112,9 @@ class SelfSpeculative:
         self.heads = heads
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
-        vocab = self.adapter.draft_vocabulary(draft_vocab) if draft_vocab is not None else None
+        vocab = None
+        if draft_vocab is not None or draft_quant is not None:
+            vocab = self.adapter.draft_vocabulary(draft_vocab, draft_quant)
         self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree, vocab)
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
         self.draft_cost = self.drafter.estimated_cost() if draft_cost is None else draft_cost

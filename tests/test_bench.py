@@ -41,10 +41,13 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         "selfspec exit 1 trained",
         "selfspec exit 2 trained",
         "selfspec exit 2 trained, vocab 48",
+        "selfspec exit 2 trained, int8 head",
         "selfspec medusa chain",
         "selfspec medusa tree",
         "selfspec medusa chain, vocab 48",
         "selfspec medusa tree, vocab 48",
+        "selfspec medusa chain, int8 head",
+        "selfspec medusa chain, vocab 48, int8 head",
         "selfspec medusa chain T=0.8, vocab 48",
     ]
     by_name = {row["contender"]: row for row in rows}

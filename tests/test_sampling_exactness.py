@@ -124,6 +124,13 @@ def test_reduced_draft_vocabulary_sampling_is_distributed_as_the_target(model):
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 
+def test_int8_draft_head_sampling_is_distributed_as_the_target(model):
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_quant="int8")
+    law = exact_law(model, top_p=0.9)
+    pvalue = chi_square_pvalue(sampled_counts(spec, top_p=0.9), law)
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
 def test_confidence_stopped_drafts_sampling_is_distributed_as_the_target(model):
     """Chains cut where the draft is unsure: the cut depends on the drafts alone, so the law is unchanged."""
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_confidence=0.7)
