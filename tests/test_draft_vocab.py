@@ -10,16 +10,22 @@ from tiny_models import random_prompt, tiny_model
 from selfspec import SelfSpeculative, frequent_tokens
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
-def test_greedy_with_a_draft_vocabulary_matches_generate(arch):
+def test_greedy_with_a_reduced_or_int8_draft_head_matches_generate(arch, quant):
     model = tiny_model(arch)
     subset = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
     prompt = random_prompt(6, seed=4)
     expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-    for options in ({"exit_layer": 2, "num_draft_tokens": 3}, {"heads": medusa_heads(model), "tree": []},
-                    {"heads": medusa_heads(model), "tree": [[0], [1], [0, 0], [0, 0, 0]]}):  # fmt: skip
-        spec = SelfSpeculative(model, draft_vocab=subset, **options)
+    tree = [[0], [1], [0, 0], [0, 0, 0]]
+    for options in ({"exit_layer": 2, "num_draft_tokens": 3, "draft_vocab": subset}, {"exit_layer": 1},
+                    {"heads": medusa_heads(model), "tree": [], "draft_vocab": subset},
+                    {"heads": medusa_heads(model), "tree": tree, "draft_vocab": subset}):  # fmt: skip
+        spec = SelfSpeculative(model, draft_quant=quant, **options)
+        if quant == "int8":
+            assert spec.drafter.vocab.weight.dtype == torch.int8
         assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), options
+        assert spec.stats.proposed > 0
 
 
 def test_drafts_stay_inside_the_draft_vocabulary():
@@ -55,21 +61,6 @@ def test_frequent_tokens():
 
 
 # ------------------------------------------------------------------------------ int8 draft LM head
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
-def test_greedy_with_an_int8_draft_head_matches_generate(arch):
-    model = tiny_model(arch)
-    subset = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))[:48]
-    prompt = random_prompt(6, seed=5)
-    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-    for options in ({"exit_layer": 2, "num_draft_tokens": 3}, {"exit_layer": 1, "draft_vocab": subset},
-                    {"heads": medusa_heads(model), "tree": []},
-                    {"heads": medusa_heads(model), "tree": [[0], [1], [0, 0]], "draft_vocab": subset}):  # fmt: skip
-        spec = SelfSpeculative(model, draft_quant="int8", **options)
-        assert spec.drafter.vocab.weight.dtype == torch.int8
-        assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), options
-        assert spec.stats.proposed > 0
 
 
 def test_int8_draft_head_is_close_to_the_full_head_and_cheaper():
