@@ -87,9 +87,14 @@ class DraftVocabulary:
         logits = logits.reshape(*normed.shape[:-1], -1).to(normed.dtype)
         return logits + self.bias if self.bias is not None else logits
 
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The token ids, or None when they are the whole vocabulary (an int8 copy of the whole head)."""
+        return None if self.ids.numel() == self.vocab_size else self.ids
+
     def spread(self, partial: torch.Tensor) -> torch.Tensor:
         """[..., N] logits of the subset -> [..., V] with -inf elsewhere."""
-        if self.ids.numel() == self.vocab_size:
+        if self.rows is None:
             return partial
         full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, partial)
@@ -348,7 +353,7 @@ class ModelAdapter:
         if vocab is not None and lm_head is None:
             logits = vocab.project(normed)
             if lora is not None:
-                logits = logits + lora.delta(normed, vocab.ids)
+                logits = logits + lora.delta(normed, vocab.rows)
             return vocab.spread(self._softcap(logits))
         if vocab is not None:
             raise ValueError("A reduced draft vocabulary applies to the model's own LM head, not to a head's own.")
