@@ -259,8 +259,14 @@ class Run:
             return acc.reduce(totals, reduction="sum")
 
         shard = self.eval_rows[acc.process_index :: acc.num_processes]
-        with acc.autocast():
-            scores = evaluate(self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce)
+        training, _ = heads.training, heads.eval()  # no dropout while evaluating (lora.dropout)
+        try:
+            with acc.autocast():
+                scores = evaluate(
+                    self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce
+                )
+        finally:
+            heads.train(training)
         return scores["heads"]
 
     def report(self, costs) -> list[dict]:
