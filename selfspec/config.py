@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .lora import check_target
+
 ConfigT = TypeVar("ConfigT")
 
 
@@ -225,8 +227,6 @@ class DraftLoraConfig:
             raise ValueError(f"lora.r must be 0 (no adapter) or a positive rank, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        from .lora import check_target
-
         check_target(self.target)
 
 

@@ -149,22 +149,3 @@ def peft_lora_config(r: int, alpha: float, dropout: float = 0.0, rslora: bool = 
         target_modules=[TARGET],
         bias="none",
     )
-
-
-def comparison_table(on: dict, off: dict, baseline: dict | None = None) -> str:
-    """Markdown: held-out alpha and top-1 per draft with the adapter, with it switched off (the same heads)
-    and of `baseline` heads trained without one. Each argument: {draft: {"alpha": ..., "top1": ...}}."""
-    header = "| draft | alpha, adapter on | alpha, adapter off (same heads) |"
-    rule = "|---|---|---|"
-    if baseline is not None:
-        header += " alpha, heads trained without adapter | gain over them | top-1 on / without |"
-        rule += "---|---|---|"
-    lines = [header, rule]
-    for name, scores in on.items():
-        line = f"| {name} | {scores['alpha']:.3f} | {off[name]['alpha']:.3f} |"
-        if baseline is not None:
-            base = baseline[name]
-            line += (f" {base['alpha']:.3f} | {scores['alpha'] - base['alpha']:+.3f} | "
-                     f"{scores['top1']:.3f} / {base['top1']:.3f} |")  # fmt: skip
-        lines.append(line)
-    return "\n".join(lines)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter
+from .bench import markdown_table
 from .config import EvalConfig, TrainHeadsConfig
 from .distill import Costs, draft_names, measure_costs, score_sums, speedup_table, target_pass
 from .heads import DraftHeads, ExitHeads, MedusaHeads
@@ -179,7 +180,7 @@ def heads_card(
     config: TrainHeadsConfig, heads: DraftHeads, rows: list[dict], facts: dict, lora_table: str | None = None
 ) -> str:
     """The README.md of a heads folder written by training/train_heads.py: target, data, the commands, steps,
-    held-out figures per draft (`report_rows`), what a draft LoRA buys (`selfspec.lora.comparison_table`);
+    held-out figures per draft (`report_rows`), what a draft LoRA buys (`lora_comparison_table`);
     `facts` as that script's training_summary.json holds them."""
     fp = heads.fingerprint
     kind = "exit heads (one per exit depth)" if isinstance(heads, ExitHeads) else f"{heads.num_heads} Medusa heads"
@@ -219,6 +220,28 @@ from selfspec import SelfSpeculative
 spec = SelfSpeculative(model, heads="{config.heads_dir}")
 ```
 """
+
+
+def lora_comparison_table(on: dict, off: dict, baseline: dict | None = None) -> str:
+    """Markdown: held-out alpha and top-1 per draft with the draft LoRA, with it switched off (the same heads)
+    and of `baseline` heads trained without one. Each argument: {draft: {"alpha": ..., "top1": ...}}."""
+    columns = [("draft", "draft", "{}"), ("on", "alpha, adapter on", "{:.3f}")]
+    columns += [("off", "alpha, adapter off (same heads)", "{:.3f}")]
+    if baseline is not None:
+        columns += [
+            ("baseline", "alpha, heads trained without adapter", "{:.3f}"),
+            ("gain", "gain over them", "{:+.3f}"),
+        ]
+        columns += [("top1", "top-1 on / without", "{}")]
+    rows = []
+    for name, scores in on.items():
+        row = {"draft": name, "on": scores["alpha"], "off": off[name]["alpha"]}
+        if baseline is not None:
+            base = baseline[name]
+            row.update(baseline=base["alpha"], gain=scores["alpha"] - base["alpha"],
+                       top1=f"{scores['top1']:.3f} / {base['top1']:.3f}")  # fmt: skip
+        rows.append(row)
+    return markdown_table(rows, columns)
 
 
 def lora_section(config: TrainHeadsConfig, heads: DraftHeads, table: str | None) -> str:

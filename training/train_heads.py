@@ -45,12 +45,13 @@ from selfspec.config import (
 from selfspec.data import load_rows, row_tensor
 from selfspec.distill import DistillationObjective, draft_names, state_digest, target_pass
 from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
-from selfspec.lora import DraftLoRA, comparison_table, peft_lora_config
+from selfspec.lora import DraftLoRA, peft_lora_config
 from selfspec.profile import (
     configure_wandb,
     evaluate,
     format_table,
     heads_card,
+    lora_comparison_table,
     measure,
     plot_alpha,
     report_rows,
@@ -368,7 +369,7 @@ class Run:
         finally:
             heads.draft_lora = lora
         baseline = self.evaluate(self.baseline) if self.baseline is not None else None
-        table = comparison_table(self.progress.trained, off, baseline)
+        table = lora_comparison_table(self.progress.trained, off, baseline)
         self.accelerator.print(f"draft LoRA:\n{table}")
         return table
 
