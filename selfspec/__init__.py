@@ -1,25 +1,39 @@
 """selfspec: exact self-speculative decoding for Hugging Face causal language models."""
 
 from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from .drafters import frequent_tokens
+from .drafter import FINAL, Draft, Drafter, DrafterContractError, Verified
+from .drafters import EarlyExitDrafter, MedusaDrafter, frequent_tokens
 from .generation import UnsupportedGenerationArgument
 from .heads import DraftHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
+from .ngram import NGramDrafter
 from .speculative import SelfSpeculative
 from .stats import GenerationStats
+from .targets import KNOWN_TARGETS, load_known_target, load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FINAL",
     "SUPPORTED_ARCHITECTURES",
+    "Draft",
     "DraftHeads",
+    "Drafter",
+    "DrafterContractError",
+    "EarlyExitDrafter",
     "ExitHead",
     "ExitHeads",
     "GenerationStats",
     "HeadsMismatchError",
+    "KNOWN_TARGETS",
+    "MedusaDrafter",
     "MedusaHeads",
+    "NGramDrafter",
     "SelfSpeculative",
     "UnsupportedGenerationArgument",
     "UnsupportedModelError",
+    "Verified",
     "frequent_tokens",
     "load_heads",
+    "load_known_target",
+    "load_model",
 ]

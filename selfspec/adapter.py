@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -98,6 +100,21 @@ class DraftVocabulary:
             return partial
         full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, partial)
+
+
+def read_token_ids(path: str | os.PathLike) -> list[int]:
+    """The token ids in a JSON file holding one list of integers (a draft vocabulary such as
+    `heads/demo-target/draft_vocab.json`)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            ids = json.load(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"draft_vocab: no file at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"draft_vocab: {path} is not JSON: {error}") from error
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"draft_vocab: {path} must hold one JSON list of integer token ids")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -281,13 +298,38 @@ class ModelAdapter:
 
     def forward_with_hidden(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0):
         """All layers: (logits, last hidden state after the final norm `[batch, positions, H]`)."""
-        captured = []
-        handle = self.final_norm.register_forward_hook(lambda module, args, output: captured.append(output))
-        try:
+        logits, hidden = self.forward_capturing(
+            input_ids, position_ids, cache, attention_mask, ("final",), logits_to_keep
+        )
+        return logits, hidden["final"]
+
+    def forward_capturing(self, input_ids, position_ids, cache, attention_mask=None, layers=(), logits_to_keep=0):
+        """All layers: (logits, {layer: hidden [batch, positions, H]}) for decoder layer indices (that
+        layer's output) and "final" (after the final norm) in `layers`."""
+        with self._capture(layers) as captured:
             logits = self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
+        return logits, captured
+
+    @contextmanager
+    def _capture(self, layers):
+        """Collects the outputs of the decoder layers and/or the final norm named in `layers` while inside."""
+        captured: dict = {}
+
+        def keep(name):
+            def hook(module, args, output):
+                captured[name] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = []
+        try:
+            for name in layers:
+                module = self.final_norm if name == "final" else self.layers[name]
+                handles.append(module.register_forward_hook(keep(name)))
+            yield captured
         finally:
-            handle.remove()
-        return logits, captured[-1]
+            for handle in handles:
+                handle.remove()
 
     def run_lower(self, input_ids, position_ids, cache, exit_layer: int, attention_mask=None) -> torch.Tensor:
         """Layers 0..exit_layer-1 only: the hidden state after layer `exit_layer` (before any norm)."""
@@ -306,11 +348,15 @@ class ModelAdapter:
             handle.remove()
         raise RuntimeError(f"layer {exit_layer - 1} of {self.model_type} never ran; cannot exit early there")
 
-    def run_upper(self, hidden, input_ids, position_ids, cache, exit_layer: int, attention_mask=None) -> torch.Tensor:
-        """Layers exit_layer..L-1 on `hidden` (the states after layer `exit_layer`): logits for every position."""
+    def run_upper(self, hidden, input_ids, position_ids, cache, exit_layer: int, attention_mask=None, layers=()):
+        """Layers exit_layer..L-1 on `hidden` (the states after layer `exit_layer`): (logits for every position,
+        {layer: hidden} for `layers` as in `forward_capturing`; only layers from exit_layer on, or "final")."""
+        lower = [name for name in layers if name != "final" and name < exit_layer]
+        if lower:
+            raise ValueError(f"layers {lower} ran in the draft, before exit layer {exit_layer}: not captured here")
         view = self._cache_view(cache, range(exit_layer, self.num_layers))
-        with self._skip_lower_layers(exit_layer, hidden):
-            return self._forward(input_ids, position_ids, view, attention_mask).logits
+        with self._skip_lower_layers(exit_layer, hidden), self._capture(layers) as captured:
+            return self._forward(input_ids, position_ids, view, attention_mask).logits, captured
 
     @contextmanager
     def _skip_lower_layers(self, exit_layer: int, hidden: torch.Tensor):
@@ -365,7 +411,9 @@ class ModelAdapter:
 
     def draft_vocabulary(self, token_ids=None, quant: str | None = None) -> DraftVocabulary:
         """The LM head as drafts read it (see `DraftVocabulary`): these token ids' rows (None: all), in the
-        model's dtype or, with quant="int8", quantised per row."""
+        model's dtype or, with quant="int8", quantised per row. `token_ids` may be a JSON file's path."""
+        if isinstance(token_ids, str | os.PathLike):
+            token_ids = read_token_ids(token_ids)
         if quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be None or 'int8', got {quant!r}")
         if token_ids is None:

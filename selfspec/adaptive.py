@@ -3,7 +3,7 @@
 With acceptance rate alpha, draft cost c (one draft token over one plain decoding step) and verify cost
 v (one pass over gamma+1 positions over one plain step), an iteration of gamma drafts gains
 E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens for v + gamma c steps' worth of time, so the speedup over
-plain decoding is S(gamma) = E / (v + gamma c) (DESIGN.md section 1), and S(0) = 1. The controller keeps
+plain decoding is S(gamma) = E / (v + gamma c) (docs/design.md, "The math"), and S(0) = 1. The controller keeps
 a running estimate of alpha from the acceptances it sees (recent iterations weigh most), drafts the
 gamma with the largest predicted S, falls back to plain steps (gamma = 0) when no gamma beats 1, and
 probes with one draft now and then so that it notices when acceptance recovers.
@@ -46,6 +46,9 @@ class DraftController:
     max_probe_every: int = 64  # ... doubling after each rejected probe up to this, back to probe_every on success
     _accepted: float = field(default=0.0, init=False)
     _tested: float = field(default=0.0, init=False)
+    # per draft position i: decayed counts of drafts accepted there, of drafts tested there (the rule reached it)
+    _accepted_at: list[float] = field(default_factory=list, init=False)
+    _tested_at: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
     _probe_interval: int = field(default=0, init=False)
     _probing: bool = field(default=False, init=False)
@@ -66,16 +69,33 @@ class DraftController:
         r = self.position_cost
         return (1 + r * rows * (gamma + 1)) / (1 + r * rows)
 
+    def expected_tokens(self, gamma: int) -> float:
+        """E(gamma): tokens an iteration of gamma drafts yields, 1 + sum_i prod_{j <= i} a_j, from the rate a_j
+        at which draft position j is accepted once the rule reaches it (the pooled alpha as its prior). With
+        independent acceptances this is the closed form (1 - alpha^(gamma+1)) / (1 - alpha); where drafts come
+        right or wrong in runs (n-gram lookup copies whole spans) it follows the runs instead."""
+        pooled, tokens, reach = self.alpha, 1.0, 1.0
+        for position in range(gamma):
+            accepted = self._accepted_at[position] if position < len(self._accepted_at) else 0.0
+            tested = self._tested_at[position] if position < len(self._tested_at) else 0.0
+            reach *= (accepted + pooled * self.prior_weight) / (tested + self.prior_weight)
+            tokens += reach
+        return tokens
+
+    def best(self, limit: int, rows: int = 1) -> tuple[int, float]:
+        """The gamma (at most `limit`) with the largest predicted speedup for a batch of `rows`, and that speedup."""
+
+        def speedup(gamma: int) -> float:
+            return self.expected_tokens(gamma) / (self.verify_cost_at(gamma, rows) + gamma * self.draft_cost)
+
+        best = max(range(max(0, min(self.max_drafts, limit)) + 1), key=speedup)
+        return best, speedup(best)
+
     def choose(self, limit: int, rows: int = 1) -> int:
         """gamma for the next iteration of a batch of `rows`, at most `limit` (what the token budget allows)."""
         if limit <= 0:
             return 0
-        alpha = self.alpha
-
-        def speedup(gamma: int) -> float:
-            return predicted_speedup(alpha, gamma, self.draft_cost, self.verify_cost_at(gamma, rows))
-
-        best = max(range(min(self.max_drafts, limit) + 1), key=speedup)
+        best, _ = self.best(limit, rows)
         self._probing = False
         if best > 0:
             self._plain_steps, self._probe_interval = 0, self.probe_every
@@ -94,5 +114,28 @@ class DraftController:
             failed = min(2 * self._probe_interval, self.max_probe_every)
             self._probe_interval = self.probe_every if any(num_accepted) else failed
         self._accepted = self.decay * self._accepted + sum(num_accepted)
+        grow = gamma - len(self._tested_at)
+        self._accepted_at += [0.0] * max(grow, 0)
+        self._tested_at += [0.0] * max(grow, 0)
+        for position in range(len(self._tested_at)):
+            self._accepted_at[position] = self.decay * self._accepted_at[position] + sum(
+                n > position for n in num_accepted
+            )
+            self._tested_at[position] = self.decay * self._tested_at[position] + sum(
+                n >= position and position < gamma for n in num_accepted
+            )
         # the rule tests positions 1..n+1 (all gamma when every draft is accepted)
         self._tested = self.decay * self._tested + sum(min(n + 1, gamma) for n in num_accepted)
+
+
+def choose_drafter(
+    controllers: list[DraftController], available: list[bool], limit: int, rows: int = 1
+) -> tuple[int | None, int]:
+    """Which of several drafters drafts the next iteration, and how many tokens: among those `available`,
+    the one whose own acceptance and cost predict the largest speedup decides its gamma (with its own
+    probing when none pays). (None, 0) when no drafter is available: a plain step."""
+    options = [index for index, ready in enumerate(available) if ready]
+    if not options or limit <= 0:
+        return None, 0
+    index = max(options, key=lambda i: controllers[i].best(limit, rows)[1])  # ties: the first listed
+    return index, controllers[index].choose(limit, rows)

@@ -6,8 +6,8 @@ the trained exit, Medusa chain and tree). Runs interleave (prompt by prompt, the
 each repeat), so a machine that slows down or speeds up mid-way affects every contender alike; each figure
 is a median over runs, and each ratio compares figures from the same session.
 
-For each selfspec contender the measured costs are put back into the speedup equation of DESIGN.md section
-1: c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
+For each selfspec contender the measured costs are put back into the speedup equation of docs/design.md:
+c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
 and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to the
 speedup realised.
 """
@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from .adaptive import predicted_speedup
 from .heads import ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
 from .stats import sum_stats
+from .ties import TIE, compare_greedy
 
 # A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.
 DEFAULT_TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -53,12 +54,24 @@ class Contender:
     run: Callable[[torch.Tensor, int], torch.Tensor]
     spec: SelfSpeculative | None = None
     baseline: bool = False  # plain model.generate: what the speedups are relative to
+    model: nn.Module | None = None  # a baseline's model: where a greedy divergence is checked for a tie
     plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v
     tree: bool = False
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
     matched: list[bool] = field(default_factory=list)
+    prompt_indices: list[int] = field(default_factory=list)  # the prompt of each timed run
+
+    def runs_on(self, prompts: set[int]) -> Contender:
+        """A copy holding only the runs on the prompts with these indices (for per-category summaries)."""
+        keep = [i for i, index in enumerate(self.prompt_indices) if index in prompts]
+
+        def pick(values: list) -> list:  # per-run lists; empty where they do not apply (stats, matched)
+            return [values[i] for i in keep] if values else []
+
+        return replace(self, seconds=pick(self.seconds), tokens=pick(self.tokens), stats=pick(self.stats),
+                       matched=pick(self.matched), prompt_indices=pick(self.prompt_indices))  # fmt: skip
 
 
 def generate_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
@@ -69,7 +82,7 @@ def generate_contender(model: nn.Module, name: str, sampling: bool, temperature:
         mask = torch.ones_like(input_ids)
         return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings, **options)
 
-    return Contender(name, sampling, run, baseline=not options)
+    return Contender(name, sampling, run, baseline=not options, model=model)
 
 
 def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
@@ -82,7 +95,7 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
         return spec.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings)
 
     plain = options.get("num_draft_tokens") == 0
-    tree = getattr(spec.drafter, "tree", None) is not None
+    tree = spec.drafter.tree is not None
     return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree)
 
 
@@ -96,11 +109,13 @@ def standard_contenders(
     transformers_modes: bool = True,
     draft_vocab: list[int] | None = None,
     untrained_exit_layer: int | None = None,
+    prompt_lookup_num_tokens: int = 10,
 ) -> list[Contender]:
     """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
     the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
     `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts; the
-    Medusa chain and the middle trained depth once more with an int8 draft LM head."""
+    Medusa chain and the middle trained depth once more with an int8 draft LM head; n-gram lookup alone
+    (transformers' prompt lookup settings) and hybrid with each kind of heads."""
     num_layers = model.config.get_text_config().num_hidden_layers
     exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
     exit_layer = untrained_exit_layer or exit_layer
@@ -114,6 +129,14 @@ def standard_contenders(
         field_.append(generate_contender(model, "transformers prompt lookup", False, temperature,
                                          prompt_lookup_num_tokens=10))  # fmt: skip
     field_.append(selfspec_contender(model, "selfspec plain loop", False, temperature, num_draft_tokens=0))
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}  # transformers' prompt lookup settings
+    field_.append(selfspec_contender(model, "selfspec ngram", False, temperature, drafter="ngram", **lookup))
+    if exit_heads is not None:
+        field_.append(selfspec_contender(model, "selfspec hybrid ngram + exit trained", False, temperature,
+                                         drafter="hybrid", heads=exit_heads, **lookup))  # fmt: skip
+    if medusa_heads is not None:
+        field_.append(selfspec_contender(model, "selfspec hybrid ngram + medusa chain", False, temperature,
+                                         drafter="hybrid", heads=medusa_heads, tree=[], **lookup))  # fmt: skip
     field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} untrained", False, temperature,
                                      exit_layer=exit_layer))  # fmt: skip
     if exit_heads is not None:
@@ -191,14 +214,23 @@ def run_bench(
                 _synchronize(device)
                 contender.seconds.append(time.perf_counter() - started)
                 contender.tokens.append(output.shape[1] - prompt.shape[1])
+                contender.prompt_indices.append(index)
                 if contender.spec is not None:
                     contender.stats.append(contender.spec.stats.to_dict())
                 outputs[contender.name] = output
                 bar.update(1)
             reference = next(outputs[c.name] for c in contenders if c.baseline and not c.sampling)
+            model = next(c.model for c in contenders if c.baseline and not c.sampling)
             for contender in contenders:
-                if not contender.sampling:
-                    contender.matched.append(torch.equal(outputs[contender.name], reference))
+                if contender.sampling:
+                    continue
+                output = outputs[contender.name]
+                verdict = (
+                    torch.equal(output, reference)
+                    if model is None
+                    else compare_greedy(model, prompt, reference, output)
+                )
+                contender.matched.append(verdict)
     bar.close()
     return summarize(contenders)
 
@@ -283,13 +315,43 @@ def summarize(contenders: list[Contender]) -> list[dict]:
             "sampling": contender.sampling,
             "tokens_per_s": rate,
             "speedup": rate / baselines.get(contender.sampling, baselines[False]),
-            "matched": all(contender.matched) if contender.matched else None,
+            "matched": match_summary(contender.matched),
+            "ties": sum(verdict == TIE for verdict in contender.matched),
             "runs": len(contender.seconds),
         }
+        if contender.spec is not None:
+            row.update(added_memory(contender.spec))
         if contender.stats:
             row.update(_acceptance(contender, step))
         rows.append(row)
     return rows
+
+
+def match_summary(verdicts: list) -> bool | str | None:
+    """Over a contender's greedy runs: True if all were identical to model.generate, False if any differed
+    other than at a tie, else `TIE` (see `selfspec.ties`); None for sampling contenders."""
+    if not verdicts:
+        return None
+    if any(verdict is False for verdict in verdicts):
+        return False
+    return True if all(verdict is True for verdict in verdicts) else TIE
+
+
+def _bytes(tensors) -> int:
+    unique = {t.data_ptr(): t for t in tensors}  # tied or shared tensors count once
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def added_memory(spec: SelfSpeculative) -> dict:
+    """What drafting adds to the model's memory: the heads' weights and any draft copy of LM-head rows
+    (reduced vocabulary, int8), in MB and as a share of the model's parameter bytes."""
+    tensors = [*spec.heads.parameters(), *spec.heads.buffers()] if spec.heads is not None else []
+    for drafter in spec.drafters:
+        vocab = getattr(drafter, "vocab", None)
+        if vocab is not None:
+            tensors += [t for t in (vocab.ids, vocab.weight, vocab.bias, vocab.scales) if t is not None]
+    added = _bytes(tensors)
+    return {"heads_mb": added / 2**20, "heads_share": added / _bytes(spec.model.parameters())}
 
 
 def _acceptance(contender: Contender, step: float | None) -> dict:
@@ -326,6 +388,8 @@ COLUMNS = [
     ("v", "v", "{:.2f}"),
     ("predicted_speedup", "predicted", "{:.2f}x"),
     ("plain_loop_speedup", "realised vs plain loop", "{:.2f}x"),
+    ("heads_mb", "heads MB", "{:.1f}"),
+    ("heads_share", "heads / model", "{:.1%}"),
 ]
 
 
@@ -337,7 +401,7 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
         if value is None:
             return "-"
         if key == "matched":
-            return "yes" if value else "NO"
+            return {True: "yes", False: "NO"}.get(value, f"tie ({row['ties']})")
         return fmt.format(value)
 
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]

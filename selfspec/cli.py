@@ -3,22 +3,46 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from . import SUPPORTED_ARCHITECTURES, __version__
-from .demo import add_bench_parser, add_demo_parser, add_tune_parser, run_bench_command, run_demo, run_tune_command
+from .demo import (
+    BUNDLED,
+    BUNDLED_CONFIG,
+    TARGET_CHOICES,
+    THREADS_HELP,
+    HelpFormatter,
+    add_bench_parser,
+    add_demo_parser,
+    add_tune_parser,
+    check_plotting,
+    load_cli_model,
+    run_bench_command,
+    run_demo,
+    run_tune_command,
+    set_threads,
+    target_path,
+)
 
 
 def add_profile_parser(commands) -> None:
     profile = commands.add_parser(
         "profile",
         help="held-out alpha per exit depth (untrained exit and trained heads), measured c, predicted speedup",
+        formatter_class=HelpFormatter,
     )
-    profile.add_argument("--model", required=True, help="the target: a model folder or hub name")
-    profile.add_argument("--heads", help="a trained heads folder for the model (else the untrained exit only)")
-    profile.add_argument("--data", required=True, help="held-out text: comma-separated file globs or a folder")
+    profile.add_argument("--model", help=f"the target: {TARGET_CHOICES} (default: the bundled demo target, {BUNDLED})")
+    profile.add_argument(
+        "--heads",
+        help="a trained heads folder for the model (default: the demo target's exit heads without --model and "
+        "--exit_layers, else none: the untrained exit only)",
+    )
+    profile.add_argument(
+        "--data",
+        help="held-out text: comma-separated file globs or a folder (default without --model: the demo target's "
+        "held-out files, as configs/train_heads_demo.yaml lists them)",
+    )
     profile.add_argument("--exit_layers", help="without --heads: exit depths to profile, e.g. 2,4,6 (default spread)")
     profile.add_argument("--text_field", default="text", help="jsonl / parquet text column")
     profile.add_argument("--seq_len", type=int, default=256, help="tokens per evaluated row")
@@ -29,9 +53,9 @@ def add_profile_parser(commands) -> None:
     profile.add_argument("--max_gamma", type=int, default=8, help="largest gamma for the predicted speedup")
     profile.add_argument("--measure_v", action="store_true", help="measure v(gamma) instead of assuming 1")
     profile.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    profile.add_argument("--num_threads", type=int, help="torch threads (1 on a busy CPU: waiting threads skew c)")
+    profile.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP + " (and skew the timed c)")
     profile.add_argument("--output", default="runs/profile", help="folder for alpha_by_depth.png")
-    profile.add_argument("--draft_vocab", help="a JSON list of token ids: also profile drafts from these rows only")
+    profile.add_argument("--draft_vocab", help="a JSON file of token ids: also profile drafts from these rows only")
     profile.add_argument("--draft_quant", choices=["int8"], help="also profile drafts through an int8 LM head")
     profile.add_argument("--report_to", default="none", choices=["none", "wandb"], help="also log a W&B run")
     profile.add_argument("--project", default="selfspec-profile", help="W&B project")
@@ -39,28 +63,30 @@ def add_profile_parser(commands) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """`selfspec profile`: print the table, write the plot, optionally log a W&B run."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .adapter import ModelAdapter
     from .config import DataConfig, EvalConfig, default_exit_layers
     from .data import load_rows, row_tensor
     from .heads import ExitHeads, load_heads
     from .profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
 
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_plotting()
+    set_threads(args.num_threads)
+    path = target_path(args.model)
+    bundled = path == BUNDLED  # the demo target, by default or by name: its exit heads and held-out files
+    bundled_heads = bundled and args.exit_layers is None  # --exit_layers asks for untrained exits
+    heads_path = args.heads or (BUNDLED / "exit-heads" if bundled_heads else None)
+    source = args.data or (bundled_heldout() if bundled else None)
+    if source is None:
+        raise SystemExit("selfspec profile --model needs --data: held-out text for that model (file globs or a folder)")
+    model, tokenizer = load_cli_model(args.model, args.dtype)
     adapter = ModelAdapter(model)
-    if args.heads:
-        heads, trained = load_heads(args.heads, adapter), True
+    if heads_path:
+        heads, trained = load_heads(heads_path, adapter), True
     else:
         layers = [int(x) for x in args.exit_layers.split(",")] if args.exit_layers else None
         heads, trained = ExitHeads(adapter.fingerprint(), layers or default_exit_layers(adapter.num_layers)), False
     heads.to(device=adapter.device, dtype=adapter.dtype)
-    data = DataConfig(source=args.data, text_field=args.text_field, seq_len=args.seq_len)
+    data = DataConfig(source=source, text_field=args.text_field, seq_len=args.seq_len)
     heldout = load_rows(data, tokenizer, split=False).heldout
     rows_tensor = row_tensor(heldout, range(min(args.max_rows, len(heldout))))
     config = EvalConfig(
@@ -73,14 +99,14 @@ def run_profile(args: argparse.Namespace) -> int:
     )
     vocab = None
     if args.draft_vocab or args.draft_quant:
-        ids = json.loads(Path(args.draft_vocab).read_text(encoding="utf-8")) if args.draft_vocab else None
-        vocab = adapter.draft_vocabulary(ids, args.draft_quant)
+        vocab = adapter.draft_vocabulary(args.draft_vocab, args.draft_quant)  # a JSON file's path, or None
     rows = profile_heads(model, heads, rows_tensor, config, trained=trained, vocab=vocab)
-    print(f"{args.model}: {rows_tensor.shape[0]} rows of {args.seq_len} tokens from {args.data}")
+    where = args.data or "the demo target's held-out files"
+    print(f"{path}: {rows_tensor.shape[0]} rows of {args.seq_len} tokens from {where}")
     print(format_table(rows))
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    plot_alpha(rows, output / "alpha_by_depth.png", f"{args.model}: alpha per draft depth")
+    plot_alpha(rows, output / "alpha_by_depth.png", f"{Path(path).name}: acceptance rate per draft depth")
     print(f"plot: {output / 'alpha_by_depth.png'}")
     if args.report_to == "wandb":
         import wandb
@@ -93,7 +119,25 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# modules the commands import beyond the inference install -> the extra that installs them
+EXTRAS = {"matplotlib": "demo", "tqdm": "demo", "yaml": "demo", "datasets": "train", "wandb": "train", "peft": "train"}
+
+
+def bundled_heldout() -> str:
+    """The demo target's held-out files that this Python's standard library has, comma-separated (the list is
+    CPython 3.11's; a few of the files are missing in other versions)."""
+    from .config import TrainHeadsConfig, load_config
+    from .data import expand_globs
+
+    patterns = load_config(TrainHeadsConfig, BUNDLED_CONFIG).data.heldout_files
+    files = expand_globs(patterns, required=False)
+    if not files:
+        raise SystemExit(f"None of the demo target's held-out files ({BUNDLED_CONFIG}) is on this machine: pass --data")
+    return ",".join(files)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `selfspec` command line: one subcommand per task."""
     parser = argparse.ArgumentParser(prog="selfspec", description="Exact self-speculative decoding for causal LMs.")
     parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -102,19 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     add_tune_parser(commands)
     commands.add_parser("architectures", help="list the supported model types")
     add_profile_parser(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "architectures":
         print("\n".join(sorted(SUPPORTED_ARCHITECTURES)))
         return 0
-    if args.command == "profile":
-        return run_profile(args)
-    if args.command == "demo":
-        return run_demo(args)
-    if args.command == "bench":
-        return run_bench_command(args)
-    if args.command == "tune":
-        return run_tune_command(args)
-    return 1
+    run = {"profile": run_profile, "demo": run_demo, "bench": run_bench_command, "tune": run_tune_command}
+    try:
+        return run[args.command](args)
+    except ModuleNotFoundError as error:  # a lean install (inference only) lacks what these commands import
+        extra = EXTRAS.get(error.name)
+        if extra is None:
+            raise
+        raise SystemExit(
+            f"selfspec {args.command} needs {error.name}, which is in selfspec's [{extra}] extra: "
+            f"pip install -e '.[{extra}]' in the repository"
+        ) from error
 
 
 if __name__ == "__main__":

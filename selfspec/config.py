@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .heads import KINDS
+from .heads import default_exit_layers as default_exit_layers  # the `heads.exit_layers` default, re-exported
 from .lora import check_target
 
 ConfigT = TypeVar("ConfigT")
@@ -156,7 +158,7 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "heads/demo-target"  # the frozen target: a local folder or a hub model name
+    name_or_path: str = "heads/demo-target"  # the frozen target: a known target's name (targets.py), folder or hub name
     adapter_path: str | None = None  # a peft (LoRA) adapter folder applied on the target; it stays frozen too
     dtype: str = "auto"  # weights as loaded: auto (as saved) | float32 | bfloat16 | float16
     device_map: str | None = None  # "auto" spreads a target too large for one device over the GPUs (1 process)
@@ -165,7 +167,7 @@ class TargetConfig:
     def __post_init__(self):
         _one_of("target.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         if not self.name_or_path:
-            raise ValueError("target.name_or_path must name a model folder or a hub model")
+            raise ValueError("target.name_or_path must name a known target, a model folder or a hub model")
 
 
 @dataclass
@@ -205,7 +207,7 @@ class HeadsConfig:
     num_draft_tokens: int | None = None  # gamma recorded in the heads config; None: selfspec's default
 
     def __post_init__(self):
-        _one_of("heads.kind", self.kind, ("exit", "medusa"))
+        _one_of("heads.kind", self.kind, tuple(KINDS))
         _at_least("heads", self, 1, ("num_heads", "num_layers"))
         if self.exit_layers is not None and not self.exit_layers:
             raise ValueError("heads.exit_layers must list at least one depth (or be null for the default spread)")
@@ -292,7 +294,7 @@ class LoggingConfig:
 @dataclass
 class TrainHeadsConfig:
     output_dir: str = "runs/heads-demo"  # run folder: checkpoints, metrics.jsonl, plot, tracker files
-    heads_dir: str = "heads/demo-target/exit-heads"  # where the trained heads folder is written
+    heads_dir: str = "runs/heads-demo/heads"  # the trained heads folder (replacing an existing one: --overwrite)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
@@ -300,9 +302,3 @@ class TrainHeadsConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-def default_exit_layers(num_layers: int) -> list[int]:
-    """About L/6, L/4, L/3, L/2 and 2L/3 (2, 3, 4, 6, 8 of 12), within 1..L-1, without repeats."""
-    depths = {min(num_layers - 1, max(1, round(num_layers * share))) for share in (1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3)}
-    return sorted(depths)

@@ -10,17 +10,16 @@ take the same model arguments (see `selfspec.bench` and `selfspec.tune` for what
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+from .adapter import read_token_ids
 from .bench import (
     COLUMNS,
     Contender,
     generate_contender,
-    load_prompts,
     markdown_table,
     plot_speedups,
     run_bench,
@@ -30,51 +29,103 @@ from .bench import (
     write_json,
 )
 from .heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+from .specbench import (
+    ChatPrompt,
+    categories_of,
+    category_report,
+    first_per_category,
+    read_prompts,
+    summarize_by_category,
+)
 from .speculative import SelfSpeculative
+from .targets import DEFAULT_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
 
-BUNDLED = Path(__file__).resolve().parent.parent / "heads" / "demo-target"
+REPOSITORY = Path(__file__).resolve().parent.parent
+BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
+BUNDLED_CONFIG = REPOSITORY / "configs" / "train_heads_demo.yaml"  # lists the demo target's held-out files
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
+THREADS_HELP = (
+    "torch CPU threads; 0: torch's default (one per core). One by default: a small model at batch 1 gains little "
+    "from more, and on a busy machine threads that wait for a core slow every step down"
+)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where it has none or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
+
+
+def target_path(model: str | None) -> str | Path:
+    """The folder behind --model: a known target's (its prompts, draft vocabulary and heads; selfspec.targets),
+    else the argument itself; without --model, the bundled demo target (which only a clone of the repository has)."""
+    path = target_folder(model or DEFAULT_TARGET)
+    if path != BUNDLED:
+        return path
+    if not (BUNDLED / "config.json").exists():
+        raise SystemExit(
+            f"The bundled demo target is not at {BUNDLED}: run from a clone of the selfspec repository "
+            "(pip install -e .), or pass --model and --heads."
+        )
+    return BUNDLED
+
+
+def load_cli_model(model: str | None, dtype: str, device: str | None = None):
+    """(model, tokenizer) for --model: a known target's name, a model folder or a hub name (default: the demo
+    target); a known target that is not installed stops the command, saying what to install."""
+    try:
+        return load_model(model or DEFAULT_TARGET, dtype, device)
+    except TargetError as error:
+        raise SystemExit(str(error)) from error
+
+
+def check_plotting() -> None:
+    """Import matplotlib now, so that a missing [demo] extra stops a command before its run, not at its plot."""
+    import matplotlib  # noqa: F401
+
+
+def set_threads(num_threads: int) -> None:
+    """torch's intra-op threads for this process (0 leaves torch's default)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
     where = f" (default: the bundled demo target, {BUNDLED})" if bundled else ""
-    parser.add_argument("--model", required=not bundled, help=f"the target: a model folder or hub name{where}")
+    parser.add_argument("--model", required=not bundled, help=f"the target: {TARGET_CHOICES}{where}")
     parser.add_argument(
         "--heads", action="append", help="a trained heads folder for the model (exit or Medusa); repeat for both"
     )
-    parser.add_argument("--prompts", help="prompts: a .json list or a .jsonl file (default: the model's prompts.json)")
+    parser.add_argument(
+        "--prompts",
+        help="prompts: a .json list or a .jsonl file, or Spec-Bench questions (.jsonl rows with category and turns: "
+        "the first turn through the chat template) (default: the model's prompts.json)",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--num_threads", type=int, help="torch CPU threads (1 on a busy machine)")
-    parser.add_argument("--output", help="folder for the PNG and JSON files")
+    parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
     parser.add_argument(
         "--draft_vocab",
-        help="a JSON list of token ids for reduced-vocabulary drafts (default: the model's draft_vocab.json if it "
-        "has one; 'none' for full-vocabulary drafts only)",
+        help="a JSON file with a list of token ids for reduced-vocabulary drafts (default: the model's "
+        "draft_vocab.json if it has one; 'none' for full-vocabulary drafts only)",
     )
 
 
 def load_target(args: argparse.Namespace):
     """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .adapter import ModelAdapter
 
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    path = args.model or BUNDLED
-    if args.model is None and not (BUNDLED / "config.json").exists():
-        raise SystemExit(
-            f"The bundled demo target is not at {BUNDLED}: run the demo from a clone of the selfspec repository "
-            "(pip install -e .), or pass --model and --heads."
-        )
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    heads_paths = args.heads
-    if heads_paths is None and args.model is None:
-        heads_paths = [str(BUNDLED / "exit-heads"), str(BUNDLED / "medusa-heads")]
+    set_threads(args.num_threads)
+    path = target_path(args.model)
+    model, tokenizer = load_cli_model(args.model, args.dtype, args.device)
+    heads_paths = args.heads if args.heads is not None else default_heads(args.model or DEFAULT_TARGET)
     adapter = ModelAdapter(model)
     heads: dict[type, DraftHeads] = {}
     for heads_path in heads_paths or []:
@@ -89,12 +140,14 @@ def load_target(args: argparse.Namespace):
     if args.draft_vocab is not None and args.draft_vocab != "none" and not vocab_path.exists():
         raise SystemExit(f"--draft_vocab: {vocab_path} does not exist")
     use_vocab = args.draft_vocab != "none" and vocab_path.exists()
-    vocab = json.loads(vocab_path.read_text(encoding="utf-8")) if use_vocab else None
-    return model, tokenizer, heads, load_prompts(prompts_path), vocab
+    vocab = read_token_ids(vocab_path) if use_vocab else None
+    return model, tokenizer, heads, read_prompts(prompts_path, tokenizer), vocab
 
 
 def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
-    return [tokenizer(prompt, return_tensors="pt").input_ids.to(device) for prompt in prompts]
+    # a chat prompt holds its template's special tokens already
+    return [tokenizer(prompt, return_tensors="pt", add_special_tokens=not isinstance(prompt, ChatPrompt))
+            .input_ids.to(device) for prompt in prompts]  # fmt: skip
 
 
 def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
@@ -127,9 +180,33 @@ def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> li
     return report_rows(heads, scores["untrained"], scores["trained"], None, max_gamma=0)
 
 
+def demo_legend(vocab_size: int | None) -> str:
+    """What the demo table's columns mean."""
+    legend = [
+        "tokens/s: new tokens per second; speedup: over model.generate in this run; greedy match: the same tokens",
+        "as model.generate; alpha_hat: drafts accepted / drafts proposed; tokens/pass: new tokens per full-model",
+        "pass (1.00 for plain decoding; each pass verifies the drafts and adds one token of its own).",
+    ]
+    if vocab_size:
+        legend += [
+            f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: for the demo "
+            "target, its most",
+            "frequent tokens); verification uses the whole vocabulary, so the output stays exact.",
+        ]
+    return "\n".join(legend)
+
+
+DEPTH_LEGEND = (
+    "alpha: mean over positions of sum_x min(p(x), q(x)), p the model's next-token distribution and q the draft's:\n"
+    "the chance that a sampled draft is accepted. top-1: how often the draft's most likely token is the model's:\n"
+    "the chance that a greedy draft is accepted. KL: KL(p || q)."
+)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from .profile import format_table, plot_alpha
 
+    check_plotting()
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
@@ -143,19 +220,24 @@ def run_demo(args: argparse.Namespace) -> int:
         completion = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
         print(f"\n----- prompt (last lines) -----\n{tail}\n----- completion -----\n{completion}")
     print("\n" + markdown_table(rows, [c for c in COLUMNS if c[0] in DEMO_COLUMNS]))
-    identical = all(row["matched"] for row in rows if row["matched"] is not None)
-    print(
-        "\nGreedy outputs identical to model.generate: "
-        + ("yes, for every prompt and mode." if identical else "NO: this is a bug, please report it.")
-    )
-    output_dir = Path(args.output or "runs/demo")
+    print(demo_legend(len(vocab) if vocab else None))
+    verdicts = [row["matched"] for row in rows if row["matched"] is not None]
+    if all(verdict is True for verdict in verdicts):
+        verdict = "yes, for every prompt and mode."
+    elif any(verdict is False for verdict in verdicts):
+        verdict = "NO: this is a bug, please report it."
+    else:  # half precision: see selfspec.ties
+        verdict = "yes, up to ties: some outputs leave it where its top-2 scores are within the dtype's rounding."
+    print("\nGreedy outputs identical to model.generate: " + verdict)
+    output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
     if ExitHeads in heads:
         depth_rows = alpha_by_depth(model, heads[ExitHeads], outputs)
         print("\nalpha per exit depth on these prompts and completions:\n" + format_table(depth_rows))
-        plot_alpha(depth_rows, output_dir / "alpha_by_depth.png", "demo target: alpha per exit depth")
+        print(DEPTH_LEGEND)
+        plot_alpha(depth_rows, output_dir / "alpha_by_depth.png", "demo target: acceptance rate per exit depth")
         print(f"plot: {output_dir / 'alpha_by_depth.png'}")
-    return 0 if identical else 1
+    return 1 if any(verdict is False for verdict in verdicts) else 0
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -163,7 +245,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     import transformers
 
+    if not args.batch_sizes:
+        check_plotting()
     model, tokenizer, heads, prompts, vocab = load_target(args)
+    if args.limit_per_category is not None:
+        try:
+            prompts = first_per_category(prompts, args.limit_per_category)
+        except ValueError as error:
+            raise SystemExit(f"--limit_per_category: {error}") from error
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
     if args.batch_sizes:
@@ -184,9 +273,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         wanted = [part.strip() for part in args.only.split(",") if part.strip()]
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in wanted)]
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
-    table = markdown_table(rows)
+    by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
+    table = category_report(by_category, prompts) if by_category else markdown_table(rows)
     print(table)
-    output = Path(args.output or "runs/bench")
+    output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else None,
@@ -204,9 +294,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
     }
     write_json(rows, output / "bench.json", meta)
+    if by_category:
+        flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
+        write_json(flat, output / "bench_by_category.json", meta)
     (output / "bench.md").write_text(table + "\n", encoding="utf-8")
     plot_speedups(rows, output / "bench.png", f"{Path(str(args.model or BUNDLED)).name} on {meta['device']}")
-    print(f"wrote {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
+    names = ["bench.json", *(["bench_by_category.json"] if by_category else []), "bench.md", "bench.png"]
+    print("wrote " + ", ".join(str(output / name) for name in names))
     mismatched = [row["contender"] for row in rows if row["matched"] is False]
     if mismatched:
         print(f"GREEDY OUTPUT DIFFERS from model.generate: {', '.join(mismatched)}", file=sys.stderr)
@@ -215,15 +309,30 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def add_demo_parser(commands) -> None:
-    demo = commands.add_parser("demo", help="complete held-out code prompts with the bundled demo target")
+    demo = commands.add_parser(
+        "demo", help="complete held-out code prompts with the bundled demo target", formatter_class=HelpFormatter
+    )
     add_model_arguments(demo, bundled=True)
     demo.add_argument("--num_prompts", type=int, default=3, help="prompts to complete")
+    demo.add_argument("--output", default="runs/demo", help="folder for alpha_by_depth.png")
 
 
 def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="tokens/s of selfspec's modes against model.generate and its peers")
+    bench = commands.add_parser(
+        "bench", help="tokens/s of selfspec's modes against model.generate and its peers", formatter_class=HelpFormatter
+    )
     add_model_arguments(bench, bundled=True)
-    bench.add_argument("--num_prompts", type=int, default=8, help="prompts used (the first N)")
+    bench.add_argument(
+        "--output",
+        default="runs/bench",
+        help="folder for bench.json, bench.md and bench.png (bench_batch.json and bench_batch.md with --batch_sizes)",
+    )
+    bench.add_argument("--num_prompts", type=int, help="prompts used (the first N; default: all)")
+    bench.add_argument(
+        "--limit_per_category",
+        type=int,
+        help="Spec-Bench prompts: the first N of each category (MT-bench's eight count as one), for a quick run",
+    )
     bench.add_argument("--repeats", type=int, default=2, help="runs per prompt and contender (medians reported)")
     bench.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling contenders")
     bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
@@ -250,7 +359,7 @@ def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab)
     rows = batch_throughput(spec, inputs, sizes, args.max_new_tokens, repeats=args.repeats)
     table = batch_table(rows)
     print(f"selfspec: {label}{', draft vocabulary ' + str(len(vocab)) if vocab else ''}, adaptive gamma\n{table}")
-    output = Path(args.output or "runs/bench")
+    output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
     write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
@@ -259,7 +368,9 @@ def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab)
 
 def add_tune_parser(commands) -> None:
     tune = commands.add_parser(
-        "tune", help="pick exit layer, gamma and tree from measured alpha, c and v; write them into the heads"
+        "tune",
+        help="pick exit layer, gamma and tree from measured alpha, c and v; write them into the heads",
+        formatter_class=HelpFormatter,
     )
     add_model_arguments(tune, bundled=True)
     tune.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
@@ -278,7 +389,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     if not heads:
         raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
-    paths = args.heads or [str(BUNDLED / "exit-heads"), str(BUNDLED / "medusa-heads")]
+    paths = args.heads or default_heads(args.model or DEFAULT_TARGET)
     for path, draft_heads in zip(paths, heads.values(), strict=True):
         choices, position_cost = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
                        args.timing_repeats, vocab)  # fmt: skip

@@ -1,7 +1,7 @@
 """Self-distillation of draft heads on a frozen target, and the figures that predict their speedup.
 
 p is the frozen target's own next-token distribution at a position (temperature 1, raw logits), q a
-draft's distribution for the same token (DESIGN.md section 1):
+draft's distribution for the same token (docs/design.md, "The math"):
 
 - loss: KL(p || q) = sum_x p(x) log(p(x) / q(x)), or the soft cross-entropy -sum_x p(x) log q(x) (the same
   gradient in q; KL is 0 for a perfect draft). Both push q towards p everywhere, and so raise alpha.
@@ -11,10 +11,11 @@ draft's distribution for the same token (DESIGN.md section 1):
   constant alpha) and the speedup S(gamma) = E / (v(gamma) + gamma c), c = t_draft / t_step and
   v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured).
 
-Drafts: exit head k reads the pre-norm hidden state after layer k (`hidden_states[k]`) and predicts the
-next token, so its teacher is the target's distribution at the same position. Medusa head i (0-based)
-reads the normed final hidden state at position t and predicts the token at t+2+i, so its teacher is
-the target's distribution at position t+1+i.
+Drafts: each kind of heads says what its drafts read and which target position teaches them
+(`DraftHeads.distillation_drafts`). An exit head k reads the pre-norm hidden state after layer k
+(`hidden_states[k]`) and predicts the next token, so its teacher is the target's distribution at the same
+position. Medusa head i (0-based) reads the normed final hidden state at position t and predicts the token
+at t+2+i, so its teacher is the target's distribution at position t+1+i.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,7 +34,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .adapter import DraftVocabulary, ModelAdapter
 from .adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
-from .heads import DraftHeads, ExitHeads, MedusaHeads
+
+if TYPE_CHECKING:  # each kind of heads builds its drafts from this module's `Draft`
+    from .heads import DraftHeads
 
 # ------------------------------------------------------------------------------------------ the math
 
@@ -94,59 +98,6 @@ class Draft:
         return per_position[:, self.offset : self.offset + self.hidden.shape[1]]
 
 
-def draft_names(heads: DraftHeads) -> list[str]:
-    """`exit_<k>` per exit depth, `medusa_<i>` per Medusa head, in order."""
-    if isinstance(heads, ExitHeads):
-        return [f"exit_{k}" for k in heads.exit_layers]
-    return [f"medusa_{i}" for i in range(heads.num_heads)]
-
-
-def drafts(
-    heads: DraftHeads, adapter: ModelAdapter, hidden_states, vocab: DraftVocabulary | None = None
-) -> list[Draft]:
-    """The drafts of `heads` given one target forward's `hidden_states` (as `output_hidden_states=True`
-    returns them: L+1 entries `[batch, T, H]`, the last one normed), through the LM head as `vocab` gives it
-    (a reduced or int8 draft head; None: the model's own)."""
-    weight = next(heads.parameters())
-
-    def head_input(hidden):  # heads may train in float32 on a half-precision target
-        return hidden.to(device=weight.device, dtype=weight.dtype)
-
-    def to_target(hidden):
-        return hidden.to(device=adapter.device, dtype=adapter.dtype)
-
-    if isinstance(heads, ExitHeads):
-
-        def exit_logits(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda hidden: adapter.head_logits(to_target(block(hidden)), vocab, heads.draft_lora)
-
-        return [
-            Draft(f"exit_{k}", head_input(hidden_states[k]), 0, exit_logits(heads.head_for(k)))
-            for k in heads.exit_layers
-        ]
-    if not isinstance(heads, MedusaHeads):
-        raise TypeError(f"cannot distil heads of kind {heads.kind!r}")
-    normed = head_input(hidden_states[-1])
-    length = normed.shape[1]
-    result = []
-    for i, blocks in enumerate(heads.blocks):
-        shift = 1 + i  # head i at position t is taught by the target at t+1+i
-        if length <= shift:
-            break
-        lm_head = heads.lm_heads[i] if heads.lm_heads is not None else None
-        result.append(
-            Draft(
-                f"medusa_{i}",
-                normed[:, : length - shift],
-                shift,
-                lambda h, blocks=blocks, lm_head=lm_head: adapter.lm_logits(
-                    blocks(h) if lm_head is not None else to_target(blocks(h)), lm_head, vocab, heads.draft_lora
-                ),
-            )
-        )
-    return result
-
-
 @torch.no_grad()
 def target_pass(model: nn.Module, input_ids: torch.Tensor):
     """One forward of the frozen target: (hidden states, one per layer boundary, the last normed; logits)."""
@@ -181,7 +132,7 @@ class DistillationObjective(nn.Module):
             # sum_x p log p: KL(p || q) = cross-entropy - entropy of p; 0 for the soft cross-entropy
             negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
         losses = []
-        for draft in drafts(self.heads, self._adapter, hidden_states):
+        for draft in self.heads.distillation_drafts(self._adapter, hidden_states):
             if self.recompute_logits:  # keep one draft's [batch, T, V] activations at a time, not all of them
                 loss = checkpoint(self._cross_entropy, draft, draft.hidden, draft.teacher(p), use_reentrant=False)
             else:
@@ -201,7 +152,7 @@ def score_sums(
     log_p = torch.log_softmax(logits.float(), dim=-1)  # [batch, T, V], shared by every draft
     p, top = log_p.exp(), logits.argmax(-1)
     rows = []
-    for draft in drafts(heads, adapter, hidden_states, vocab):
+    for draft in heads.distillation_drafts(adapter, hidden_states, vocab):
         q_logits = draft.head(draft.hidden)
         log_q = torch.log_softmax(q_logits.float(), dim=-1)
         p_draft = draft.teacher(p)
@@ -264,9 +215,10 @@ def measure_costs(
 ) -> Costs:
     """Time one-token steps after a cached context `tokens[:, :n - max(max_gamma, 1) - 1]` ([1, n] ids).
 
-    Full step: all layers for one token. Exit depth k: layers 0..k-1 and exit head k for one token. Medusa:
-    all heads on one hidden state (they run together, once per iteration). v(gamma), gamma = 1..max_gamma:
-    one full pass over gamma+1 new positions. Drafts read only a reduced `vocab`'s LM-head rows when given.
+    Full step: all layers for one token. Drafts: what the heads' `cost_timers` give (exit depth k: layers
+    0..k-1 and exit head k for one token; Medusa: all heads on one hidden state, as they run together once per
+    iteration). v(gamma), gamma = 1..max_gamma: one full pass over gamma+1 new positions. Drafts read only a
+    reduced `vocab`'s LM-head rows when given.
     Every call starts from a copy of the same prefilled cache;
     the calls are interleaved within each repetition, so that load on a shared machine slows all of them
     alike, and the median over `repeats` (after two warm-up rounds) is kept.
@@ -285,45 +237,15 @@ def measure_costs(
         ids, positions = after(count)
         return lambda fresh_cache: adapter.forward(ids, positions, fresh_cache)
 
-    def exit_draft(k: int):
-        ids, positions = after(1)
-        block = heads.head_for(k)
-        return lambda fresh_cache: adapter.head_logits(
-            block(adapter.run_lower(ids, positions, fresh_cache, k)), vocab, heads.draft_lora
-        )
-
+    ids, positions = after(1)
+    timers = heads.cost_timers(adapter, ids, positions, hidden, vocab)  # {label: (call, drafts charged)}
     calls: dict[object, Callable[[object], object]] = {"step": full(1)}
-    if isinstance(heads, MedusaHeads):
-        calls["medusa"] = lambda _: heads.logits(hidden[:, -1], adapter, vocab=vocab)
-    else:
-        calls.update({f"exit_{k}": exit_draft(k) for k in heads.exit_layers})
+    calls.update({label: call for label, (call, _) in timers.items()})
     calls.update({gamma: full(gamma + 1) for gamma in range(1, max_gamma + 1)})
     times: dict[object, list[float]] = {key: [] for key in calls}
     for _ in range(repeats + 2):
         for key, call in calls.items():
             times[key].append(_timed(call, copy.deepcopy(cache), device))  # the copy is made before the clock starts
     median = {key: statistics.median(values[2:]) for key, values in times.items()}
-    if isinstance(heads, MedusaHeads):
-        draft_s = dict.fromkeys(draft_names(heads), median["medusa"])
-    else:
-        draft_s = {name: median[name] for name in draft_names(heads)}
+    draft_s = {name: median[label] for label, (_, names) in timers.items() for name in names}
     return Costs(median["step"], draft_s, {gamma: median[gamma] for gamma in range(1, max_gamma + 1)})
-
-
-def speedup_table(heads: DraftHeads, alphas: dict[str, float], costs: Costs, max_gamma: int) -> dict[str, dict]:
-    """Per draft: c, the best gamma and its predicted speedup. Exit depths: S(gamma) with that depth's alpha.
-    Medusa: one chain of the first gamma heads, E = 1 + a_0 + a_0 a_1 + ..., cost v(gamma) + c (all heads
-    run once per iteration); reported on each head's row as the chain up to that head."""
-    table = {}
-    if isinstance(heads, MedusaHeads):
-        names = draft_names(heads)
-        for gamma, name in enumerate(names, start=1):
-            chain = [alphas[n] for n in names[:gamma]]
-            c = costs.c(name)
-            table[name] = {"c": c, "gamma": gamma, "speedup": expected_tokens(chain) / (costs.v(gamma) + c)}
-        return table
-    for name, alpha in alphas.items():
-        c = costs.c(name)
-        gamma, speedup = best_gamma(alpha, c, max_gamma, costs.v)
-        table[name] = {"c": c, "gamma": gamma, "speedup": speedup}
-    return table

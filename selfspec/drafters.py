@@ -1,77 +1,35 @@
-"""Drafters: where the proposals x_1..x_G and their distribution q come from, and the verify pass that
-matches them. A drafter owns both halves because the early-exit verify pass reuses what its draft wrote.
+"""The built-in model drafters: early exit (the first k layers and an exit head) and Medusa heads (on the
+target's last hidden state). Both implement `selfspec.drafter.Drafter`; the early-exit drafter also
+overrides `verify`, because its verify pass reuses what its draft computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter
-from .heads import DraftHeads, MedusaHeads
+from .drafter import FINAL, Draft, Drafter, Processing, Verified, draft_chain, target_pass
 from .lora import DraftLoRA
+from .ngram import NGramDrafter
 from .state import DecodeState
 from .tree import CandidateTree
 
-MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
+if TYPE_CHECKING:
+    from .heads import DraftHeads, MedusaHeads
 
-# process(tokens [batch, G], logits [batch, P, V], offset) -> processed scores [batch, P, V] of the P
-# positions after the committed tokens and tokens[:, :offset + i]
-Processing = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # [batch, G] long
-    scores: torch.Tensor  # [batch, G, V] float32 processed draft scores (q = softmax(scores))
+NAMED_DRAFTERS = ("ngram", "hybrid")  # SelfSpeculative(drafter=...) by name
 
 
-def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """A token per row from processed scores [batch, V]: sampled from softmax, or the argmax."""
-    if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
-    return scores.argmax(dim=-1)
-
-
-def draft_tokens(
-    state: DecodeState,
-    gamma: int,
-    process: Processing,
-    do_sample: bool,
-    next_logits: Callable[[int, torch.Tensor], torch.Tensor],
-    stop_below: float | None = None,
-) -> Draft:
-    """Draft up to gamma tokens one after the other. `next_logits(i, token)` gives the raw draft logits
-    [batch, V] for draft position i, given the token [batch, 1] before it (the pending token for i = 0).
-    Each position is processed with its own prefix, as the target's positions will be. With `stop_below`,
-    drafting stops early once every row's drafted token has a draft probability below it (one host sync
-    per position): a draft that is unsure of itself is likely rejected, and a shorter verify costs less.
-    The stop depends on the drafts alone, so the accept-reject rule stays exact."""
-    token, drafted, scores = state.sequences[:, -1:], [], []
-    for i in range(gamma):
-        logits = next_logits(i, token)[:, None]  # [batch, 1, V]
-        drafts = torch.cat(drafted, dim=1) if drafted else state.sequences[:, :0]
-        score = process(drafts, logits, i)[:, 0]  # [batch, V]
-        token = pick(score, do_sample)[:, None]
-        drafted.append(token)
-        scores.append(score)
-        if stop_below is not None and i + 1 < gamma:
-            confidence = score.softmax(dim=-1).gather(1, token)  # [batch, 1]: q of the drafted token
-            if bool((confidence < stop_below).all()):
-                break
-    return Draft(torch.cat(drafted, dim=1), torch.stack(scores, dim=1))
-
-
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
     """q from layers 0..k-1 and an exit head (the model's own final norm and LM head, optionally after a
     trained block). The draft writes the lower-layer KV entries of its positions into the one shared
     cache; the verify pass runs the lower layers only for the last draft token and the upper layers for
     all G+1 positions."""
 
-    needs_hidden = False  # drafts from the lower layers, not from the target's last hidden state
+    check_drafts = False
 
     def __init__(
         self,
@@ -80,14 +38,27 @@ class EarlyExitDrafter:
         head: nn.Module | None = None,
         vocab: DraftVocabulary | None = None,
         lora: DraftLoRA | None = None,
+        confidence: float | None = None,
     ):
+        super().__init__(confidence)
+        num_layers = adapter.num_layers
+        if num_layers < 2:
+            raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
+        if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
+            raise ValueError(
+                f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so "
+                f"exit_layer must be an integer from 1 to {num_layers - 1}."
+            )
         self.adapter = adapter
         self.exit_layer = exit_layer
         self.head = head
         self.vocab = vocab
         self.lora = lora  # a draft-only LoRA on the shared LM head (`selfspec.lora`)
-        self.stop_below: float | None = None  # draft confidence under which a chain stops early
         self._hidden: list[torch.Tensor] = []
+
+    @property
+    def name(self) -> str:
+        return f"exit {self.exit_layer}"
 
     def estimated_cost(self) -> float:
         """c from the weights a draft token reads (the memory-bound regime): layers 0..k-1, the exit head
@@ -120,38 +91,35 @@ class EarlyExitDrafter:
             self._hidden.append(hidden)
             return self.exit_logits(hidden[:, -1])
 
-        return draft_tokens(state, gamma, process, do_sample, next_logits, self.stop_below)
+        return draft_chain(state, gamma, process, do_sample, next_logits, self.confidence)
 
-    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        """Target logits [batch, G+1, V] for the pending token and the G drafts."""
+    def verify(self, target, state: DecodeState, draft: Draft, hidden_layers=()):
+        """Target logits [batch, G+1, V] for the pending token and the G drafts, the lower layers reused."""
         start, gamma = state.length - 1, draft.tokens.shape[1]
+        if gamma == 0:
+            return super().verify(target, state, draft, hidden_layers)
         last = self._lower(state, draft.tokens[:, -1:], start + gamma)
         hidden = torch.cat([*self._hidden, last], dim=1)  # [batch, G+1, H]
         tokens = torch.cat([state.sequences[:, -1:], draft.tokens], dim=1)
-        logits = self.adapter.run_upper(
+        self._hidden = []
+        return self.adapter.run_upper(
             hidden,
             tokens,
             state.position_ids(start, gamma + 1),
             state.cache,
             self.exit_layer,
             state.attention_mask(start + gamma + 1),
+            layers=hidden_layers,
         )
-        self._hidden = []
-        return logits
-
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        """Nothing to carry over: the next draft starts from the pending token."""
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Nothing held per row between iterations."""
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Medusa heads read the target's last hidden state (the one that gave the pending token) and propose
     the next tokens at once; the verify pass is one ordinary pass of the full model over the pending token
     and the drafts, which also yields the hidden state the next proposals are read from."""
 
-    needs_hidden = True  # every target pass hands its last normed hidden state to `observe`
+    hidden_layers = (FINAL,)
+    check_drafts = False
 
     def __init__(
         self,
@@ -159,7 +127,9 @@ class MedusaDrafter:
         heads: MedusaHeads,
         tree: CandidateTree | None = None,
         vocab: DraftVocabulary | None = None,
+        confidence: float | None = None,
     ):
+        super().__init__(confidence)
         if vocab is not None and heads.own_lm_head:
             raise ValueError(
                 "draft_vocab and draft_quant apply to the shared LM head; these Medusa heads have their own LM heads."
@@ -167,10 +137,13 @@ class MedusaDrafter:
         self.adapter = adapter
         self.heads = heads
         self.vocab = vocab
-        self.stop_below: float | None = None  # draft confidence under which a chain stops early
+        self.max_drafts = self.default_drafts = heads.num_heads
         self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
-        self._verified: torch.Tensor | None = None  # [batch, G+1, H]
+
+    @property
+    def name(self) -> str:
+        return "medusa tree" if self.tree is not None else "medusa"
 
     def estimated_cost(self) -> float:
         """c from the weights: one head's blocks (and its own LM head) per draft token; the shared LM head
@@ -185,42 +158,31 @@ class MedusaDrafter:
             per_head += draft_head_size(self.adapter, self.vocab, heads.draft_lora)
         return per_head / (layers + head)
 
-    def observe(self, hidden: torch.Tensor) -> None:
-        """The normed hidden state [batch, H] whose LM-head output gave the pending token."""
-        self._hidden = hidden
+    def begin(self, state: DecodeState, hidden: dict) -> None:
+        self._hidden = hidden[FINAL][:, -1]  # [batch, H]: gave the first pending token
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         proposals = self.heads.logits(self._hidden, self.adapter, gamma, self.vocab)  # [batch, G, V]
-        return draft_tokens(state, gamma, process, do_sample, lambda i, token: proposals[:, i], self.stop_below)
-
-    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        start, gamma = state.length - 1, draft.tokens.shape[1]
-        tokens = torch.cat([state.sequences[:, -1:], draft.tokens], dim=1)
-        logits, self._verified = self.adapter.forward_with_hidden(
-            tokens, state.position_ids(start, gamma + 1), state.cache, state.attention_mask(start + gamma + 1)
-        )
-        return logits
+        return draft_chain(state, gamma, process, do_sample, lambda i, token: proposals[:, i], self.confidence)
 
     def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate tokens [batch, N] of the tree's nodes, and the logits [batch, D, V] of the D heads it uses."""
         proposals = self.heads.logits(self._hidden, self.adapter, self.tree.max_depth, self.vocab)  # [batch, D, V]
         return self.tree.node_tokens(proposals), proposals
 
-    def verify_tree(self, state: DecodeState, node_tokens: torch.Tensor) -> torch.Tensor:
+    def verify_tree(self, target, state: DecodeState, node_tokens: torch.Tensor, hidden_layers=()):
         """Target logits [batch, N+1, V] of the root and every node, in one pass with a tree mask."""
         start = state.length - 1
         tokens = torch.cat([state.sequences[:, -1:], node_tokens], dim=1)
         positions = state.position_ids(start, 1) + self.tree.depth[None, :]  # [batch, N+1]
         mask = self.adapter.tree_attention_mask(state.cache, start, self.tree, state.attention_mask(start))
-        logits, self._verified = self.adapter.forward_with_hidden(tokens, positions, state.cache, mask)
-        return logits
+        return target_pass(target, state, tokens, hidden_layers, mask, positions)
 
-    def accept(self, index: torch.Tensor) -> None:
-        """Keep the hidden state [batch] at the verified position (chain) or node (tree) whose distribution
-        gave the new pending token."""
-        gather = index[:, None, None].expand(-1, 1, self._verified.shape[-1])
-        self.observe(self._verified.gather(1, gather).squeeze(1))
-        self._verified = None
+    def accept(self, verified: Verified) -> None:
+        """Keep the hidden state [batch, H] at the position (chain) or node (tree) that gave the new pending token."""
+        hidden = verified.hidden[FINAL]
+        gather = verified.last[:, None, None].expand(-1, 1, hidden.shape[-1])
+        self._hidden = hidden.gather(1, gather).squeeze(1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the hidden states of the rows still generating."""
@@ -252,33 +214,55 @@ def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None, lora: 
     return size
 
 
-def build_drafter(
+def build_drafters(
     adapter: ModelAdapter,
+    drafter,
     heads: DraftHeads | None,
     exit_layer: int | None,
     tree: list | None,
-    vocab: DraftVocabulary | None = None,
-):
-    """The drafter for these heads (None: the untrained exit), the exit layer it uses (None for Medusa)
-    and the most drafts it can propose per iteration. Raises ValueError on settings that do not fit."""
-    if isinstance(heads, MedusaHeads):
-        if exit_layer is not None:
-            raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
-        tree = tree if tree is not None else heads.tree  # the heads may carry a default tree
-        candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree else None  # [] forces a chain
-        return MedusaDrafter(adapter, heads, candidates, vocab), None, heads.num_heads
+    vocab: DraftVocabulary | None,
+    confidence: float | None,
+    ngram_options: dict,
+) -> list[Drafter]:
+    """The drafters of a `SelfSpeculative` (see its `drafter` argument), in order of preference. Raises
+    ValueError for settings that do not apply to the chosen drafters."""
+    model_options = {"heads": heads, "exit_layer": exit_layer, "tree": tree, "draft_vocab / draft_quant": vocab}
+    given = [name for name, value in model_options.items() if value is not None]
+    if ngram_options and drafter not in NAMED_DRAFTERS:
+        raise ValueError(
+            f"{', '.join(sorted(ngram_options))} configure n-gram drafting: pass drafter='ngram' or 'hybrid'."
+        )
+    if isinstance(drafter, Drafter) or (isinstance(drafter, list | tuple) and drafter):
+        drafters = [drafter] if isinstance(drafter, Drafter) else list(drafter)
+        wrong = [part for part in drafters if not isinstance(part, Drafter)]
+        if wrong:
+            raise TypeError(f"drafter must be a selfspec Drafter or a list of them; got {type(wrong[0]).__name__}.")
+        if given or confidence is not None:
+            raise ValueError(
+                f"{', '.join(given) or 'draft_confidence'} configure selfspec's own drafter; with drafter=... "
+                "configure your drafter itself."
+            )
+    elif drafter == "ngram":
+        if given or confidence is not None:
+            raise ValueError(f"drafter='ngram' drafts without the model: {', '.join(given) or 'draft_confidence'} "
+                             "does not apply (drafter='hybrid' combines it with heads).")  # fmt: skip
+        drafters = [NGramDrafter(**ngram_options)]
+    elif drafter in (None, "hybrid"):
+        own = model_drafter(adapter, heads, exit_layer, tree, vocab, confidence)
+        drafters = [NGramDrafter(**ngram_options), own] if drafter == "hybrid" else [own]
+    else:
+        raise ValueError(f"drafter={drafter!r}: pass a Drafter, a list of them, {' or '.join(NAMED_DRAFTERS)}.")
+    if len(drafters) > 1 and any(part.tree is not None for part in drafters):
+        raise ValueError("A tree drafter drafts alone: combine chains only (tree=[] drafts a Medusa chain).")
+    return drafters
+
+
+def model_drafter(adapter, heads, exit_layer, tree, vocab, confidence) -> Drafter:
+    """The drafter from the model's own weights: the heads' kind (`DraftHeads.drafter`), or the untrained
+    exit (the model's final norm and LM head after a quarter of its layers by default)."""
+    if heads is not None:
+        return heads.drafter(adapter, exit_layer, tree, vocab, confidence)
     if tree:
         raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
-    num_layers = adapter.num_layers
-    if num_layers < 2:
-        raise ValueError(f"Early exit needs at least 2 decoder layers; this model has {num_layers}.")
-    if exit_layer is None:
-        exit_layer = heads.default_exit_layer if heads is not None else max(1, num_layers // 4)
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
-        raise ValueError(
-            f"exit_layer={exit_layer!r} is out of range: this model has {num_layers} decoder layers, so "
-            f"exit_layer must be an integer from 1 to {num_layers - 1}."
-        )
-    head = heads.head_for(exit_layer) if heads is not None else None
-    lora = heads.draft_lora if heads is not None else None
-    return EarlyExitDrafter(adapter, exit_layer, head, vocab, lora), exit_layer, MAX_DRAFT_TOKENS
+    layer = exit_layer if exit_layer is not None else max(1, adapter.num_layers // 4)
+    return EarlyExitDrafter(adapter, layer, vocab=vocab, confidence=confidence)

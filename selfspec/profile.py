@@ -18,8 +18,8 @@ from torch import nn
 from .adapter import DraftVocabulary, ModelAdapter
 from .bench import markdown_table
 from .config import EvalConfig, TrainHeadsConfig
-from .distill import Costs, draft_names, measure_costs, score_sums, speedup_table, target_pass
-from .heads import DraftHeads, ExitHeads, MedusaHeads
+from .distill import Costs, measure_costs, score_sums, target_pass
+from .heads import DraftHeads
 
 METRICS = ("kl", "alpha", "top1")
 
@@ -49,24 +49,20 @@ def evaluate(
             totals[label] = sums if totals[label] is None else totals[label] + sums
     result = {}
     for label, h in heads.items():
-        sums = totals[label] if totals[label] is not None else torch.zeros(len(draft_names(h)), 4, device=device)
+        sums = totals[label] if totals[label] is not None else torch.zeros(len(h.draft_names()), 4, device=device)
         if reduce is not None:
             sums = reduce(sums)
         result[label] = {
             name: {metric: (row[i] / row[3].clamp(min=1)).item() for i, metric in enumerate(METRICS)}
-            for name, row in zip(draft_names(h), sums, strict=True)
+            for name, row in zip(h.draft_names(), sums, strict=True)
         }
     return result
 
 
 def untrained_like(heads: DraftHeads) -> DraftHeads:
-    """Fresh heads of the same shape: zero-initialised, so each is the untrained exit (or next-token head)."""
-    if isinstance(heads, ExitHeads):
-        fresh = ExitHeads(heads.fingerprint, heads.exit_layers, heads.intermediate_size)
-    else:
-        fresh = MedusaHeads(heads.fingerprint, heads.num_heads, heads.num_layers)
-    weight = next(heads.parameters())
-    return fresh.to(device=weight.device, dtype=weight.dtype)
+    """Fresh heads of the same shape (`DraftHeads.untrained_copy`): each draft is the untrained exit (or the
+    target's next-token head)."""
+    return heads.untrained_copy()
 
 
 def measure(
@@ -94,7 +90,7 @@ def profile_heads(
     measured c and the predicted speedup; with a draft LM head `vocab` (reduced or int8), also alpha, top-1
     and c of the heads drafting through it (`draft_alpha`, `draft_top1`, `draft_c`): the alpha / c trade-off."""
     adapter = ModelAdapter(model)
-    sets = {"untrained": untrained_like(heads), "trained": heads} if trained else {"untrained": heads}
+    sets = {"untrained": heads.untrained_copy(), "trained": heads} if trained else {"untrained": heads}
     if vocab is not None:
         sets["draft head"] = heads
     scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab})
@@ -120,9 +116,9 @@ def report_rows(
 ) -> list[dict]:
     """One row per draft: its depth (exit layer or Medusa head), untrained and trained figures, c, gamma, S."""
     best = trained or untrained
-    speed = speedup_table(heads, {n: s["alpha"] for n, s in best.items()}, costs, max_gamma) if costs else {}
+    speed = heads.speedups({n: s["alpha"] for n, s in best.items()}, costs, max_gamma) if costs else {}
     rows = []
-    for name in draft_names(heads):
+    for name in heads.draft_names():
         row = {"draft": name, "depth": int(name.rsplit("_", 1)[1])}
         row.update({f"untrained_{metric}": untrained[name][metric] for metric in METRICS})
         if trained is not None:
@@ -151,7 +147,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_alpha(rows: list[dict], path: str | os.PathLike, title: str = "") -> None:
-    """PNG: alpha against exit depth (or Medusa head), untrained and (if present) trained."""
+    """PNG: alpha against exit depth (or Medusa head), untrained and (if present) trained, and the trained
+    drafts' top-1 agreement (the greedy acceptance rate), each line labelled with what it measures."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -160,12 +157,13 @@ def plot_alpha(rows: list[dict], path: str | os.PathLike, title: str = "") -> No
     medusa = rows[0]["draft"].startswith("medusa")
     depths = [row["depth"] for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(depths, [row["untrained_alpha"] for row in rows], "o--", label="untrained")
+    axes.plot(depths, [row["untrained_alpha"] for row in rows], "o--", label="untrained: alpha")
     if "alpha" in rows[0]:
-        axes.plot(depths, [row["alpha"] for row in rows], "o-", label="trained")
-        axes.plot(depths, [row["top1"] for row in rows], "x:", label="trained, top-1 agreement")
+        axes.plot(depths, [row["alpha"] for row in rows], "o-", label="trained: alpha")
+        axes.plot(depths, [row["top1"] for row in rows], "x:", label="trained: top-1 agreement (greedy)")
     axes.set_xlabel("Medusa head (predicts token t+2+i)" if medusa else "exit layer")
-    axes.set_ylabel("alpha = 1 - TV(p, q)")
+    # two measures share the axis: alpha = 1 - TV(p, q) (sampling) and top-1 agreement (greedy acceptance)
+    axes.set_ylabel("acceptance rate")
     axes.set_ylim(0, 1)
     axes.set_xticks(depths)
     axes.grid(alpha=0.3)
@@ -183,7 +181,7 @@ def heads_card(
     held-out figures per draft (`report_rows`), what a draft LoRA buys (`lora_comparison_table`);
     `facts` as that script's training_summary.json holds them."""
     fp = heads.fingerprint
-    kind = "exit heads (one per exit depth)" if isinstance(heads, ExitHeads) else f"{heads.num_heads} Medusa heads"
+    kind = heads.description()
     commands = "\n".join(facts["commands"])
     return f"""# selfspec {heads.kind} heads for `{config.target.name_or_path}`
 

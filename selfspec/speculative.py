@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .adaptive import DraftController
-from .drafters import build_drafter, pick
+from .adaptive import DraftController, choose_drafter
+from .call import Call
+from .drafter import FINAL, Draft, Drafter, Verified, check_draft, pick, target_pass
+from .drafters import build_drafters
 from .generation import (
     GenerationSetup,
     UnsupportedGenerationArgument,
@@ -20,64 +21,42 @@ from .generation import (
     prepare_generation,
     process_scores,
     process_tree_scores,
-    stopping_point,
 )
-from .heads import DraftHeads, MedusaHeads, load_heads
+from .heads import DraftHeads, load_heads
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
-from .verify import Verdict, accept_greedy, accept_sampling, accept_tree, acceptance_mass
-
-DEFAULT_DRAFT_TOKENS = 4
-
-
-@dataclass
-class _Call:
-    """The working state of one `generate` call. Rows still generating are `state`'s rows; `rows[b]` is
-    the caller's index of active row b."""
-
-    setup: GenerationSetup
-    state: DecodeState
-    rows: list[int]
-    generated: list[int]  # new tokens per active row
-    watch: Stopwatch
-    alpha: torch.Tensor  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    controller: DraftController | None = None  # chooses gamma when drafting adapts
-    done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
-    scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
-    logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
-
-    @property
-    def remaining(self) -> int:
-        """New tokens the row closest to its budget may still take."""
-        return self.setup.max_new_tokens - max(self.generated)
+from .verify import Verdict, accept_greedy, accept_sampling, accept_tree
 
 
 class SelfSpeculative:
     """Self-speculative generation for a Hugging Face causal LM (a `PeftModel` too).
 
-    The model drafts `num_draft_tokens` tokens with its first `exit_layer` layers and an exit head, checks
-    them in one pass of the full model, and keeps exactly the tokens the full model would have produced:
-    greedy output is token-identical to `model.generate(do_sample=False)`, sampled output is distributed
-    as `model.generate(do_sample=True)`'s. One set of weights and one KV cache are used.
+    The model drafts `num_draft_tokens` tokens with its first `exit_layer` layers and an exit head (or
+    Medusa heads, n-gram lookup, or a drafter of your own), checks them in one pass of the full model, and
+    keeps exactly the tokens the full model would have produced: greedy output is token-identical to
+    `model.generate(do_sample=False)`, sampled output is distributed as `model.generate(do_sample=True)`'s.
+    One set of weights and one KV cache are used.
 
     Args:
         model: the loaded causal LM (Llama, Qwen2, Mistral, Phi3, Gemma, Gemma2, GPT-2, GPT-NeoX families).
         exit_layer: draft with layers 0..exit_layer-1 (1 <= exit_layer < num_hidden_layers). Default: the
             heads' first trained depth, else a quarter of the depth.
         num_draft_tokens: drafts per iteration (gamma); with `adaptive`, the most per iteration. Default:
-            the heads' setting, else 4. 0 decodes plainly through selfspec's own loop, one full pass per
-            token and no drafts (a baseline for benchmarks).
+            the drafter's (the heads' tuned setting, the number of Medusa heads, n-gram's
+            `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. 0 decodes plainly through
+            selfspec's own loop, one full pass per token and no drafts (a baseline for benchmarks).
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
             the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
             chain even when the heads carry a tree.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
-            down to plain decoding when drafting does not pay (see `selfspec.adaptive`). Default: on when
-            `num_draft_tokens` is not given. Chains only; output is exact either way.
+            down to plain decoding when drafting does not pay (see `selfspec.adaptive`); with several drafters,
+            also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
+            exact either way.
         draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.
-            Default: estimated from the weights each draft token reads.
+            Default: the drafter's estimate (from the weights each draft token reads). With several drafters
+            it applies to the last (the heads in a hybrid).
         draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
             product reads only their rows (copied once), which lowers c when the vocabulary is a large share
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
@@ -89,6 +68,12 @@ class SelfSpeculative:
         position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
             verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
             verification is compute-bound. Default: the heads' setting (`selfspec tune` measures it), else 0.
+        drafter: None drafts with the heads (or the untrained exit); "ngram" with n-gram prompt lookup alone
+            (`selfspec.NGramDrafter`); "hybrid" with n-gram lookup where the text has a match and the heads
+            otherwise (adaptive: whichever the speedup equation favours from the acceptance each has shown);
+            or your own `selfspec.Drafter` (or a list of them, in order of preference).
+        prompt_lookup_num_tokens, max_matching_ngram_size: the n-gram drafter's settings (transformers' names)
+            for drafter="ngram" or "hybrid". Defaults: 10 and 2.
     """
 
     def __init__(
@@ -104,6 +89,9 @@ class SelfSpeculative:
         draft_quant: str | None = None,
         draft_confidence: float | None = None,
         position_cost: float | None = None,
+        drafter: Drafter | list[Drafter] | str | None = None,
+        prompt_lookup_num_tokens: int | None = None,
+        max_matching_ngram_size: int | None = None,
     ):
         self.model = model
         self.adapter = ModelAdapter(model)
@@ -115,40 +103,63 @@ class SelfSpeculative:
         vocab = None
         if draft_vocab is not None or draft_quant is not None:
             vocab = self.adapter.draft_vocabulary(draft_vocab, draft_quant)
-        self.drafter, exit_layer, max_drafts = build_drafter(self.adapter, heads, exit_layer, tree, vocab)
+        ngram = {
+            "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+            "max_matching_ngram_size": max_matching_ngram_size,
+        }
+        ngram = {name: value for name, value in ngram.items() if value is not None}
+        self.drafters = build_drafters(self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram)
+        self.hidden_layers = self._collect_hidden_layers()
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
         self.draft_cost = self.drafter.estimated_cost() if draft_cost is None else draft_cost
         if not self.draft_cost >= 0:
             raise ValueError(f"draft_cost={draft_cost!r} must be a non-negative number (draft token / plain step).")
-        if num_draft_tokens is None:
-            default = heads.num_heads if isinstance(heads, MedusaHeads) else DEFAULT_DRAFT_TOKENS
-            num_draft_tokens = min((heads.num_draft_tokens if heads is not None else None) or default, max_drafts)
-        if (
+        max_drafts = max(part.max_drafts for part in self.drafters)
+        if num_draft_tokens is not None and (
             isinstance(num_draft_tokens, bool)
             or not isinstance(num_draft_tokens, int)
             or not 0 <= num_draft_tokens <= max_drafts
         ):
-            what = f"the {max_drafts} Medusa heads" if isinstance(heads, MedusaHeads) else "the limit"
+            what = f"what {self.drafter.name} drafts at most" if len(self.drafters) == 1 else "the drafters' limit"
             raise ValueError(
                 f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {max_drafts} ({what}), "
                 "or 0 for plain decoding."
             )
+        # each drafter's gamma: its own default, capped by num_draft_tokens when given
+        self.draft_limits = [min(num_draft_tokens or part.default_drafts, part.max_drafts) for part in self.drafters]
         if num_draft_tokens == 0:
             if adaptive:
                 raise ValueError("adaptive=True needs num_draft_tokens of at least 1 (0 is plain decoding).")
             if tree:
                 raise ValueError("A tree drafts candidates: it cannot be used with num_draft_tokens=0.")
             self.adaptive = False
-        if draft_confidence is not None and not 0.0 < draft_confidence < 1.0:
-            raise ValueError(f"draft_confidence={draft_confidence!r} must be a probability between 0 and 1.")
-        self.drafter.stop_below = draft_confidence
+            self.draft_limits = [0] * len(self.drafters)
         recorded = heads.position_cost if heads is not None else None
         self.position_cost = position_cost if position_cost is not None else (recorded or 0.0)
         if not self.position_cost >= 0:
             raise ValueError(f"position_cost={position_cost!r} must be a non-negative number.")
-        self.exit_layer = exit_layer
-        self.num_draft_tokens = num_draft_tokens
+        self.exit_layer = getattr(self.drafter, "exit_layer", None)
+        self.num_draft_tokens = max(self.draft_limits)
         self.stats: GenerationStats | None = None
+
+    @property
+    def drafter(self) -> Drafter:
+        """The drafter (with several, the last: the heads' drafter in a hybrid)."""
+        return self.drafters[-1]
+
+    def _collect_hidden_layers(self) -> tuple:
+        """The target hidden states any drafter reads, checked against the model."""
+        layers = []
+        for part in self.drafters:
+            for layer in part.hidden_layers:
+                if layer != FINAL and not (isinstance(layer, int) and 0 <= layer < self.adapter.num_layers):
+                    raise ValueError(
+                        f"{part.name} asks for hidden layer {layer!r}; this model has decoder layers "
+                        f"0..{self.adapter.num_layers - 1} (or {FINAL!r}, the normed last hidden state)."
+                    )
+                if layer not in layers:
+                    layers.append(layer)
+        return tuple(layers)
 
     def __getattr__(self, name: str):
         # look-ups the wrapper does not answer pass through to the wrapped model, as peft does
@@ -158,9 +169,9 @@ class SelfSpeculative:
 
     def __repr__(self) -> str:
         return (
-            f"SelfSpeculative({type(self.adapter.model).__name__}, exit_layer={self.exit_layer}/"
-            f"{self.adapter.num_layers}, num_draft_tokens={self.num_draft_tokens}, "
-            f"heads={'trained' if self.heads is not None else 'none (untrained exit)'})"
+            f"SelfSpeculative({type(self.adapter.model).__name__}, drafters={[part.name for part in self.drafters]}, "
+            f"exit_layer={self.exit_layer}/{self.adapter.num_layers}, num_draft_tokens={self.num_draft_tokens}, "
+            f"heads={'trained' if self.heads is not None else 'none'})"
         )
 
     # ------------------------------------------------------------------------------------- generate
@@ -171,6 +182,11 @@ class SelfSpeculative:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
+        if not isinstance(input_ids, torch.Tensor):  # text, or a list of ids: model.generate takes neither
+            raise TypeError(
+                f"The prompt must be a tensor of token ids, got {type(input_ids).__name__}: tokenize it first, "
+                "e.g. spec.generate(**tokenizer(prompt, return_tensors='pt'), max_new_tokens=64)."
+            )
         if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
             raise ValueError(
                 "The prompt must be a non-empty [batch, length] tensor of token ids; "
@@ -189,59 +205,81 @@ class SelfSpeculative:
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
-        tree = getattr(self.drafter, "tree", None) if self.num_draft_tokens else None
+        tree = self.drafter.tree if self.num_draft_tokens else None
         if self.adaptive and tree is None:
-            call.controller = DraftController(self.num_draft_tokens, self.draft_cost, position_cost=self.position_cost)
+            costs = [part.estimated_cost() for part in self.drafters[:-1]] + [self.draft_cost]
+            call.controllers = [
+                DraftController(limit, cost, position_cost=self.position_cost)
+                for limit, cost in zip(self.draft_limits, costs, strict=True)
+            ]
         while not finished:
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
             # a tree's deepest node sits `depth` positions after the pending token
             if tree is not None and span >= tree.max_depth + 1:
                 finished = self.tree_step(call)
-            elif call.controller is not None:
-                finished = self.speculative_step(call, call.controller.choose(span - 1, call.state.batch_size))
-            else:  # no tree, or no room for it: a chain of at most span - 1 drafts
-                finished = self.speculative_step(call, min(self.num_draft_tokens, span - 1))
+                continue
+            index, gamma = self._choose_drafter(call, span - 1)
+            finished = self.speculative_step(call, index, gamma)
         if setup.streamer is not None:
             setup.streamer.end()
         self.stats = call.stats.finish(call.watch.totals(), *call.alpha.tolist(), started)
         rows = [call.done[row] for row in range(len(call.done))]  # in the caller's order
         return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
 
-    def speculative_step(self, call: _Call, gamma: int) -> bool:
-        """One iteration: draft gamma tokens, verify them in one full pass, accept, commit, drop the cache
-        entries of what was rejected. gamma = 0 is a plain decoding step. Returns True when all rows are done."""
-        state, setup = call.state, call.setup
-        start = state.length - 1  # sequence index of the pending tokens
-        if gamma == 0:
-            with call.watch.section("verify"):
-                logits = self._plain_pass(state, state.sequences[:, -1:], start)
-                drafts = state.sequences[:, :0]
-                scores = self._process(call, drafts, logits)
-                verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
+    def _choose_drafter(self, call: Call, limit: int) -> tuple[int | None, int]:
+        """Which drafter drafts this iteration (None: a plain step) and at most how many tokens: adaptive, by
+        the speedup equation among the drafters that have a proposal; fixed, the first that has one."""
+        if limit <= 0 or not self.num_draft_tokens:
+            return None, 0
+        with call.watch.section("draft"):
+            available = [part.available(call.state) for part in self.drafters]
+        if call.controllers:
+            return choose_drafter(call.controllers, available, limit, call.state.batch_size)
+        index = next((i for i, ready in enumerate(available) if ready), None)
+        return index, (min(self.draft_limits[index], limit) if index is not None else 0)
+
+    def speculative_step(self, call: Call, index: int | None, gamma: int) -> bool:
+        """One iteration: drafter `index` drafts gamma tokens, one full pass verifies them, the rule accepts,
+        the tokens are committed and the cache entries of what was rejected dropped. gamma = 0 (or index None)
+        is a plain decoding step. Returns True when all rows are done."""
+        state, setup, vocab_size = call.state, call.setup, self.adapter.vocab_size
+        drafter = self.drafters[index] if index is not None and gamma > 0 else None
+        if drafter is None:
+            draft = Draft.empty(state.batch_size, state.sequences.device)
         else:
             with call.watch.section("draft"):
-                draft = self.drafter.draft(state, gamma, partial(self._process, call), setup.do_sample)
-                drafts = draft.tokens
-                gamma = drafts.shape[1]  # fewer when the draft stopped early (draft_confidence)
-            with call.watch.section("verify"):
-                logits = self.drafter.verify(state, draft)
-                scores = self._process(call, drafts, logits)  # [batch, G+1, V]
-                p, q = scores.softmax(dim=-1), draft.scores.softmax(dim=-1)
+                draft = drafter.draft(state, gamma, call.process, setup.do_sample)
+                check_draft(drafter, draft, state.batch_size, gamma, vocab_size)
+        drafts = draft.tokens
+        gamma = drafts.shape[1]  # fewer when the draft stopped early (draft_confidence)
+        with call.watch.section("verify"):
+            if gamma == 0:
+                logits, hidden = target_pass(self.adapter, state, state.sequences[:, -1:], self.hidden_layers)
+            else:
+                logits, hidden = drafter.verify(self.adapter, state, draft, self.hidden_layers)
+            scores = call.process(drafts, logits)  # [batch, G+1, V]
+            if gamma == 0:
+                verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
+            else:
+                p, q = scores.softmax(dim=-1), draft.probabilities(vocab_size)
                 verdict = accept_sampling(p, q, drafts) if setup.do_sample else accept_greedy(scores, drafts)
-                self._record_alpha(call, p[:, :gamma], q, verdict.num_accepted)
-            self.drafter.accept(verdict.num_accepted)
+                call.record_alpha(p[:, :gamma], q, verdict.num_accepted)
         kept = torch.arange(gamma + 1, device=drafts.device)[None, :].expand(state.batch_size, -1)
+        self._hand_over(Verified(verdict.num_accepted, verdict.num_accepted, kept, hidden, False), index)
+        call.drafted_by = index if gamma else None
         return self._advance(call, drafts, verdict.num_accepted, scores, logits, kept, verdict.next_token)
 
-    def tree_step(self, call: _Call) -> bool:
+    def tree_step(self, call: Call) -> bool:
         """One Medusa tree iteration: candidates from the heads' top-k, one verify pass with a tree mask,
         the longest accepted path committed and the cache rearranged to it. Returns True when done."""
-        state, setup, tree = call.state, call.setup, self.drafter.tree
-        depth = tree.max_depth
+        state, setup, drafter = call.state, call.setup, self.drafter
+        tree, depth = drafter.tree, drafter.tree.max_depth
         with call.watch.section("draft"):
-            node_tokens, proposals = self.drafter.draft_tree()  # [batch, N], [batch, num_heads, V]
+            node_tokens, proposals = drafter.draft_tree()  # [batch, N], [batch, num_heads, V]
         with call.watch.section("verify"):
-            logits = self.drafter.verify_tree(state, node_tokens)  # [batch, N+1, V]
+            logits, hidden = drafter.verify_tree(
+                self.adapter, state, node_tokens, self.hidden_layers
+            )  # [batch, N+1, V]
             scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
             p = scores.softmax(dim=-1)
             verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
@@ -252,8 +290,9 @@ class SelfSpeculative:
             along = path[..., None].expand(-1, -1, scores.shape[-1])
             path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
             q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
-            self._record_alpha(call, path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
-        self.drafter.accept(verdict.last_node)
+            call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
+        self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
+        call.drafted_by = 0
         return self._advance(
             call,
             path_tokens,
@@ -266,18 +305,13 @@ class SelfSpeculative:
             chain=False,
         )
 
-    # -------------------------------------------------------------------------------------- helpers
-    @staticmethod
-    def _process(call: _Call, tokens: torch.Tensor, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Processed scores [batch, P, V] of the positions after each row's tokens and tokens[:, :offset+i],
-        with the input ids `model.generate` would give the processors (see `process_scores`)."""
-        inputs = call.state.processor_inputs()
-        if isinstance(inputs, torch.Tensor) or not call.setup.row_processors:
-            return process_scores(call.setup.processors, inputs, tokens, logits, offset)
-        row_processors = [call.setup.row_processors[row] for row in call.rows]
-        return process_scores(row_processors, inputs, tokens, logits, offset)
+    def _hand_over(self, verified: Verified, index: int | None) -> None:
+        """Every drafter learns the verdict (the one that drafted, with `own` set)."""
+        for position, part in enumerate(self.drafters):
+            part.accept(replace(verified, own=position == index))
 
-    def _span_before_rope_switch(self, call: _Call) -> int:
+    # -------------------------------------------------------------------------------------- helpers
+    def _span_before_rope_switch(self, call: Call) -> int:
         """How many positions from the pending tokens on one pass may cover without crossing a longrope
         switch (plain decoding computes the positions before it with the short frequencies)."""
         switch = self.adapter.rope_switch
@@ -289,14 +323,6 @@ class SelfSpeculative:
         ]
         return min(spans, default=call.remaining + 1)
 
-    @staticmethod
-    def _record_alpha(call: _Call, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
-        p, q: [batch, G, V]."""
-        tested = torch.arange(q.shape[1], device=q.device)[None, :] <= num_accepted[:, None]  # [batch, G]
-        mass = torch.where(tested, acceptance_mass(p, q), 0)  # untested positions may hold NaN
-        call.alpha += torch.stack([mass.sum(), tested.sum()]).double()
-
     def _check_batch(self, setup: GenerationSetup) -> None:
         if setup.streamer is not None:
             raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
@@ -304,7 +330,7 @@ class SelfSpeculative:
             raise UnsupportedGenerationArgument(
                 "`output_scores` / `output_logits` are supported for one prompt at a time."
             )
-        if getattr(self.drafter, "tree", None) is not None:
+        if self.drafter.tree is not None:
             raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
 
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
@@ -329,7 +355,7 @@ class SelfSpeculative:
             prompt_pad=pad_offset.tolist(),
             pad_token_id=setup.pad_token_id or 0,
         )
-        call = _Call(
+        call = Call(
             setup,
             state,
             rows=list(range(batch)),
@@ -340,26 +366,23 @@ class SelfSpeculative:
         if setup.streamer is not None:
             setup.streamer.put(input_ids.cpu())
         with call.watch.section("prefill"):
-            logits = self._plain_pass(state, input_ids, 0)
+            args = (
+                input_ids,
+                state.position_ids(0, input_ids.shape[1]),
+                state.cache,
+                state.attention_mask(input_ids.shape[1]),
+            )
+            logits, hidden = self.adapter.forward_capturing(*args, layers=self.hidden_layers, logits_to_keep=1)
             scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
             token = pick(scores[:, 0], setup.do_sample)[:, None]
+        for part in self.drafters:
+            part.begin(state, hidden)
         call.stats.target_passes += 1
         call.stats.row_passes += batch
         return call, token, scores, logits
 
-    def _plain_pass(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """All layers over `tokens` [batch, n] at sequence indices start..: logits of the last position
-        [batch, 1, V]. A drafter that reads the target's hidden state gets the last one."""
-        count = tokens.shape[1]
-        args = (tokens, state.position_ids(start, count), state.cache, state.attention_mask(start + count))
-        if not self.drafter.needs_hidden:
-            return self.adapter.forward(*args, logits_to_keep=1)
-        logits, hidden = self.adapter.forward_with_hidden(*args, logits_to_keep=1)
-        self.drafter.observe(hidden[:, -1])
-        return logits
-
     def _advance(
-        self, call: _Call, drafts, num_accepted, scores, logits, kept, next_token=None, num_new=None, chain=True
+        self, call: Call, drafts, num_accepted, scores, logits, kept, next_token=None, num_new=None, chain=True
     ) -> bool:
         """Commit each row's accepted drafts (drafts [batch, G]; num_accepted [batch]) and the token after
         them, then bring the cache along: of the positions the pass wrote, `kept[b]` [batch, G+1] lists row
@@ -371,11 +394,12 @@ class SelfSpeculative:
         else:
             committed = torch.cat([drafts, next_token[:, None]], dim=1)
             committed.scatter_(1, num_accepted[:, None], next_token[:, None])  # [batch, G+1]
-        accepted, counts, finished = self._commit(call, committed, num_accepted, scores, logits)
+        accepted, counts, finished = call.commit(committed, num_accepted, scores, logits)
         if next_token is not None:
-            call.stats.record_iteration(drafts.shape[1], accepted)
-            if call.controller is not None:
-                call.controller.update(drafts.shape[1], accepted)
+            name = self.drafters[call.drafted_by].name if call.drafted_by is not None else None
+            call.stats.record_iteration(drafts.shape[1], accepted, name)
+            if call.controllers and call.drafted_by is not None:
+                call.controllers[call.drafted_by].update(drafts.shape[1], accepted)
         if all(finished):
             return True
         state = call.state
@@ -396,39 +420,3 @@ class SelfSpeculative:
             call.rows = [call.rows[b] for b in active]
             call.generated = [call.generated[b] for b in active]
         return False
-
-    def _commit(self, call: _Call, committed, num_accepted, scores, logits):
-        """Append to each row `committed[b, :num_accepted[b] + 1]` ([batch, W]), cut at its first EOS, its
-        token budget and its first stopping criterion. Holds the iteration's one host synchronisation.
-        Returns per row: the accepted drafts, the tokens appended, and whether the row is done."""
-        setup, state = call.setup, call.state
-        count = num_accepted + 1
-        eos_hit = torch.zeros_like(count)
-        if setup.eos_token_ids is not None:
-            in_reach = torch.arange(committed.shape[1], device=committed.device)[None, :] < count[:, None]
-            is_eos = torch.isin(committed, setup.eos_token_ids) & in_reach
-            eos_hit = is_eos.any(dim=1).long()
-            count = torch.where(eos_hit.bool(), is_eos.long().argmax(dim=1) + 1, count)
-        accepted, counts, eos_hits = torch.stack([num_accepted, count, eos_hit]).tolist()  # [3, batch] -> lists
-        kept, finished = [], []
-        for row, (count_b, eos_b) in enumerate(zip(counts, eos_hits, strict=True)):
-            budget = setup.max_new_tokens - call.generated[row]
-            keep = min(count_b, budget)
-            prefix = state.sequences[row : row + 1, state.added_pad[row] :]
-            stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
-            keep = stop or keep
-            kept.append(keep)
-            finished.append(stop is not None or (bool(eos_b) and keep == count_b) or keep == budget)
-            call.generated[row] += keep
-        state.append(committed, kept)
-        if setup.config.output_scores:
-            call.scores.extend(scores[:, i].clone() for i in range(kept[0]))
-        if setup.config.output_logits:
-            call.logits.extend(logits[:, i].float().clone() for i in range(kept[0]))
-        if setup.streamer is not None:
-            setup.streamer.put(committed[0, : kept[0]].cpu())
-        call.stats.new_tokens += sum(kept)
-        for row, done in enumerate(finished):
-            if done:  # the row as the caller gave it (its own padding) and what it generated
-                call.done[call.rows[row]] = state.sequences[row, state.added_pad[row] :]
-        return accepted, kept, finished

@@ -5,7 +5,7 @@ is padding. When rows accept different numbers of drafts in one iteration, the r
 get that many more padding slots on the left (`append`), so every row still ends at the same index and
 every cache layer keeps one length. Positions skip padding (index - pad), and the 2D attention mask
 hides it, so each row computes exactly what it would compute alone. The cost: an iteration whose rows
-disagree gathers the whole cache once (`ModelAdapter.reorder`); rows that agree only crop.
+disagree gathers the whole cache once (`ModelAdapter.rearrange`); rows that agree only crop.
 """
 
 from __future__ import annotations

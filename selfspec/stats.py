@@ -22,6 +22,9 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i+1
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts proposed at draft position i+1
     alpha: float = float("nan")  # analytic acceptance rate: mean over tested positions of sum_x min(p, q)
+    drafted_by: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # drafter name -> iterations, proposed, accepted
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -40,6 +43,37 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds else float("nan")
 
+    def __repr__(self) -> str:
+        return (
+            f"GenerationStats(new_tokens={self.new_tokens}, target_passes={self.target_passes}, "
+            f"proposed={self.proposed}, accepted={self.accepted}, alpha_hat={self.alpha_hat:.3f}, "
+            f"alpha={self.alpha:.3f}, tokens_per_pass={self.tokens_per_pass:.2f}, "
+            f"tokens_per_second={self.tokens_per_second:.1f})"
+        )
+
+    def __str__(self) -> str:
+        """A few lines with the figures people look at (what `print(spec.stats)` shows)."""
+        lines = [
+            f"{self.new_tokens} new tokens in {self.total_seconds:.2f} s ({self.tokens_per_second:.1f} tokens/s), "
+            f"{self.target_passes} target passes (prefill + {self.iterations} iterations), "
+            f"{self.tokens_per_pass:.2f} tokens per pass",
+        ]
+        if self.proposed:
+            by_position = ", ".join(
+                f"{accepted}/{proposed}"
+                for accepted, proposed in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
+            )
+            lines.append(
+                f"drafts: {self.accepted} of {self.proposed} accepted, alpha_hat {self.alpha_hat:.3f} "
+                f"(accepted / proposed), alpha {self.alpha:.3f} (analytic: mean of sum_x min(p, q))"
+            )
+            lines.append(f"accepted / proposed by draft position 1, 2, ...: {by_position}")
+        else:
+            lines.append("drafts: none proposed (plain decoding steps only)")
+        other = max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds)
+        lines.append(f"time: draft {self.draft_seconds:.2f} s, verify {self.verify_seconds:.2f} s, other {other:.2f} s")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         out = dict(self.__dict__)
         out.update(
@@ -55,13 +89,17 @@ class GenerationStats:
         self.total_seconds = time.perf_counter() - started
         return self
 
-    def record_iteration(self, gamma: int, num_accepted: list[int]) -> None:
-        """Count one verification of `gamma` drafts per row, with each row's accepted count."""
+    def record_iteration(self, gamma: int, num_accepted: list[int], drafter: str | None = None) -> None:
+        """Count one verification of `gamma` drafts per row (drafted by `drafter`), with each row's accepted count."""
         self.iterations += 1
         self.target_passes += 1
         self.row_passes += len(num_accepted)
         if gamma == 0:
             return
+        tally = self.drafted_by.setdefault(drafter or "draft", {"iterations": 0, "proposed": 0, "accepted": 0})
+        tally["iterations"] += 1
+        tally["proposed"] += gamma * len(num_accepted)
+        tally["accepted"] += sum(num_accepted)
         grow = gamma - len(self.proposed_per_position)
         if grow > 0:
             self.proposed_per_position += [0] * grow

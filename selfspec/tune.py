@@ -12,7 +12,7 @@ For each draft (an exit depth, or the Medusa heads) it measures
   decoding loop (a tree pass also builds its mask and compacts the cache), over the time per pass of the
   plain loop (gamma = 0) on the same prompts.
 
-The choice maximises S = E / (v + gamma c) (DESIGN.md section 1). `--measure_grid` then times every
+The choice maximises S = E / (v + gamma c) (docs/design.md, "The math"). `--measure_grid` then times every
 candidate side by side with `model.generate` and reports the tuned point against the best measured one.
 """
 
@@ -28,7 +28,7 @@ from .adapter import ModelAdapter
 from .adaptive import position_cost_from
 from .bench import DEFAULT_TREE, cut_tree
 from .distill import measure_costs
-from .heads import DraftHeads, ExitHeads, MedusaHeads
+from .heads import DraftHeads
 from .speculative import SelfSpeculative
 from .stats import sum_stats
 
@@ -43,8 +43,9 @@ CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next 
 class Choice:
     """One candidate configuration and its predicted speedup."""
 
-    draft: str  # exit_<k> or medusa
-    exit_layer: int | None
+    draft: str  # how it drafts (the heads' `DraftSetting.name`): exit_<k> or medusa
+    chain: str  # what tables call its chains: exit <k> | medusa chain
+    selects: dict  # the SelfSpeculative arguments that select these chains
     gamma: int  # drafts per iteration (a tree's node count)
     tree: list[list[int]] | None
     tokens_per_pass: float  # E
@@ -57,19 +58,26 @@ class Choice:
         return self.tokens_per_pass / self.cost
 
     @property
+    def exit_layer(self) -> int | None:
+        """The exit depth of an early-exit choice (None for other heads)."""
+        return self.selects.get("exit_layer")
+
+    @property
     def label(self) -> str:
         if self.tree is not None:
-            return f"medusa tree of {len(self.tree)} nodes"
-        where = f"exit {self.exit_layer}" if self.exit_layer is not None else "medusa chain"
-        return f"{where}, gamma {self.gamma}"
+            return f"{self.draft} tree of {len(self.tree)} nodes"
+        return f"{self.chain}, gamma {self.gamma}"
 
     def options(self) -> dict:
         """SelfSpeculative arguments for this configuration (fixed gamma, no adaptation)."""
-        if self.exit_layer is not None:
-            return {"exit_layer": self.exit_layer, "num_draft_tokens": self.gamma, "adaptive": False}
         if self.tree is not None:
             return {"tree": self.tree}
-        return {"tree": [], "num_draft_tokens": self.gamma, "adaptive": False}
+        return {**self.selects, "num_draft_tokens": self.gamma, "adaptive": False}
+
+
+def candidate_trees(depth: int) -> list[list[list[int]]]:
+    """`CANDIDATE_TREES` cut to `depth` levels; none where the heads draft chains only (depth 0)."""
+    return [cut_tree(tree, depth) for tree in CANDIDATE_TREES] if depth else []
 
 
 def run_prompts(spec: SelfSpeculative, prompts: list[torch.Tensor], max_new_tokens: int, do_sample: bool):
@@ -104,27 +112,24 @@ def tune(
     to the measured v(gamma) (the median over gamma of r solving v = (1 + r (gamma+1)) / (1 + r); the
     adaptive controller uses it to shrink gamma as the batch grows)."""
     adapter = ModelAdapter(model)
-    medusa = isinstance(heads, MedusaHeads)
-    trees = [cut_tree(tree, heads.num_heads) for tree in CANDIDATE_TREES] if medusa else []
-    longest = max([max_gamma if not medusa else heads.num_heads] + [len(t) for t in trees])
+    settings = heads.draft_settings(adapter.num_layers, max_gamma)
+    sizes = [s.max_gamma for s in settings] + [len(tree) for s in settings for tree in candidate_trees(s.tree_depth)]
+    longest = max(sizes)  # the most drafts one verify pass covers
     reference = model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), do_sample=False,
                                max_new_tokens=max(longest + 2, 16))  # fmt: skip
     vocab = adapter.draft_vocabulary(draft_vocab) if draft_vocab is not None else None
     costs = measure_costs(adapter, heads, reference, timing_repeats, max_gamma=longest, vocab=vocab)
     choices = []
-    for name in [f"exit_{k}" for k in heads.exit_layers] if isinstance(heads, ExitHeads) else ["medusa"]:
-        exit_layer = int(name[5:]) if name.startswith("exit_") else None
-        gammas = heads.num_heads if medusa else max_gamma
-        # Medusa heads run together: one iteration of gamma drafts costs gamma heads' share of the measured time
-        c = costs.c("medusa_0") / heads.num_heads if medusa else costs.c(name)
-        options = {"tree": []} if medusa else {"exit_layer": exit_layer}
-        spec = SelfSpeculative(model, heads=heads, num_draft_tokens=gammas, adaptive=False,
-                               draft_vocab=draft_vocab, **options)  # fmt: skip
-        accepted = prefix_acceptance(run_prompts(spec, prompts, max_new_tokens, do_sample), gammas)
-        upper = 1.0 if medusa else (adapter.num_layers - exit_layer) / adapter.num_layers
-        for gamma in range(1, gammas + 1):
-            tokens, v = 1 + sum(accepted[:gamma]), 1 + upper * (costs.v(gamma) - 1)
-            choices.append(Choice(name, exit_layer, gamma, None, tokens, v + gamma * c, c, v))
+    for setting in settings:
+        c = costs.c(setting.timed) / setting.per_call
+        spec = SelfSpeculative(model, heads=heads, num_draft_tokens=setting.max_gamma, adaptive=False,
+                               draft_vocab=draft_vocab, **setting.options)  # fmt: skip
+        accepted = prefix_acceptance(run_prompts(spec, prompts, max_new_tokens, do_sample), setting.max_gamma)
+        for gamma in range(1, setting.max_gamma + 1):
+            tokens, v = 1 + sum(accepted[:gamma]), 1 + setting.upper * (costs.v(gamma) - 1)
+            choices.append(Choice(setting.name, setting.label, setting.options, gamma, None, tokens, v + gamma * c,
+                                  c, v))  # fmt: skip
+        trees = candidate_trees(setting.tree_depth)
         if trees:
             plain = run_prompts(SelfSpeculative(model, num_draft_tokens=0), prompts, max_new_tokens, do_sample)
             plain_pass = plain["total_seconds"] / plain["target_passes"]
@@ -134,7 +139,7 @@ def tune(
             depth = max(len(path) for path in tree)
             tokens = stats["new_tokens"] / stats["row_passes"]
             cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
-            choices.append(Choice("medusa", None, len(tree), tree, tokens, cost, c, cost - depth * c))
+            choices.append(Choice(setting.name, setting.label, {}, len(tree), tree, tokens, cost, c, cost - depth * c))
     position_cost = statistics.median(position_cost_from(costs.v(g), g) for g in range(1, longest + 1))
     return sorted(choices, key=lambda choice: -choice.predicted), position_cost
 
@@ -143,10 +148,7 @@ def apply_choice(heads: DraftHeads, choice: Choice, position_cost: float | None 
     """Make `choice` the heads' defaults (gamma, and the exit layer or the tree), with the position cost."""
     heads.num_draft_tokens = choice.gamma if choice.tree is None else None
     heads.position_cost = position_cost
-    if isinstance(heads, ExitHeads):
-        heads.exit_layer = choice.exit_layer
-    else:
-        heads.tree = choice.tree
+    heads.set_defaults(choice.options())
 
 
 TUNED_SECTION = "## Tuned defaults"

@@ -1,6 +1,6 @@
 """The accept-reject rule: which drafted tokens are kept, and the one token drawn after them.
 
-Speculative sampling (DESIGN.md section 1), for drafts x_1..x_G with x_i ~ q_i and target p_1..p_{G+1}:
+Speculative sampling (docs/design.md, "The math"), for drafts x_1..x_G with x_i ~ q_i and target p_1..p_{G+1}:
 accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection j draw from the residual
 max(0, p_j - q_j) / sum(max(0, p_j - q_j)); if all G are accepted draw a bonus token from p_{G+1}.
 Every committed token is then distributed exactly as p. Greedy keeps drafts while they equal argmax p_i
@@ -97,7 +97,7 @@ def accept_tree(p: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: boo
 
     Walk from the root: the child whose token equals the target's token at its parent is accepted; the
     walk ends at a node none of whose children match, and that node's target token comes next. For
-    sampling this is the multi-candidate rule of DESIGN.md section 1 with deterministic candidates
+    sampling this is the multi-candidate rule of docs/design.md ("The math") with deterministic candidates
     c_1..c_m: accepting c_1 with probability p(c_1), else c_2 with p(c_2) / (1 - p(c_1)), ..., else
     drawing from p without the c's, commits c_j with probability p(c_j) and any other token t with p(t);
     one draw from p matched against the children has exactly that law, so every committed token is

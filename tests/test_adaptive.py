@@ -104,14 +104,31 @@ def test_gamma_shrinks_to_zero_as_the_batch_grows_when_positions_cost():
     controller = DraftController(max_drafts=4, draft_cost=0.05, position_cost=r)
     assert controller.verify_cost_at(1, 1) == pytest.approx(1.2)
     assert controller.verify_cost_at(1, 16) == pytest.approx(9 / 5)  # (1 + 0.25 * 32) / (1 + 0.25 * 16)
-    for _ in range(20):
-        controller.update(2, [1])  # half of the drafts accepted
+    for outcome in [0, 0, 1, 2] * 5:  # each draft accepted with probability 1/2, once the rule reaches it
+        controller.update(2, [outcome])
     chosen = [controller.choose(10, rows) for rows in (1, 2, 4, 8, 16)]
     assert chosen[0] >= 1 and chosen[-1] == 0 and chosen == sorted(chosen, reverse=True), chosen
     free = DraftController(max_drafts=4, draft_cost=0.05)  # r = 0: v = 1 at every batch size
-    for _ in range(20):
-        free.update(2, [1])
+    for outcome in [0, 0, 1, 2] * 5:
+        free.update(2, [outcome])
     assert free.choose(10, 16) == free.choose(10, 1) >= 1
+
+
+def test_expected_tokens_follow_acceptance_by_position():
+    """E(gamma) comes from how often each draft position is accepted once the rule reaches it. Drafts right
+    or wrong in runs (n-gram lookup copies whole spans): a third of the iterations accept all 10 drafts,
+    the rest none, so E(10) is about 1 + 10/3, and a long draft pays. Independent acceptances at the same
+    first-position rate make E(10) about 2: there it does not."""
+    runs = DraftController(max_drafts=10, draft_cost=0.0, position_cost=0.1)
+    for outcome in [0, 0, 10] * 10:
+        runs.update(10, [outcome])
+    assert runs.expected_tokens(10) == pytest.approx(1 + 10 / 3, rel=0.1)
+    assert runs.choose(10) == 10
+    iid = DraftController(max_drafts=10, draft_cost=0.0, position_cost=0.1)
+    for outcome in [0, 0, 1, 2] * 10:  # accepted with probability 1/2 at every position
+        iid.update(10, [outcome])
+    assert iid.expected_tokens(10) == pytest.approx(2.0, rel=0.15)
+    assert iid.choose(10) < 10
 
 
 def test_batched_generation_with_a_position_cost_stays_exact():

@@ -37,6 +37,9 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         "transformers early exit 2",
         "transformers prompt lookup",
         "selfspec plain loop",
+        "selfspec ngram",
+        "selfspec hybrid ngram + exit trained",
+        "selfspec hybrid ngram + medusa chain",
         "selfspec exit 1 untrained",
         "selfspec exit 1 trained",
         "selfspec exit 2 trained",
@@ -120,6 +123,8 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Greedy outputs identical to model.generate: yes" in out
     assert "| selfspec exit 2 trained, vocab 32 |" in out and "| selfspec medusa tree, vocab 32 |" in out
+    assert "alpha_hat: drafts accepted / drafts proposed" in out and "vocab 32: the drafts choose among 32" in out
+    assert "top-1: how often the draft's most likely token is the model's" in out  # the legends
     assert (tmp_path / "demo" / "alpha_by_depth.png").stat().st_size > 0
 
     assert main(["bench", *common, "--repeats", "1", "--no_transformers", "--output", str(tmp_path / "b")]) == 0

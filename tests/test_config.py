@@ -42,6 +42,12 @@ def test_demo_config_targets_the_demo_model():
     assert config.target.name_or_path == "heads/demo-target" and config.heads.exit_layers == [2, 3, 4, 6, 8]
 
 
+def test_example_and_default_runs_write_under_runs():
+    """Not into heads/: a run of a shipped config leaves the bundled heads alone."""
+    for config in [load_config(TrainHeadsConfig, CONFIGS / name) for name in SHIPPED] + [TrainHeadsConfig()]:
+        assert Path(config.output_dir).parts[0] == "runs" and Path(config.heads_dir).parts[0] == "runs"
+
+
 def test_overrides_by_dotted_key(tmp_path):
     config = load_config(
         TrainHeadsConfig,

@@ -16,20 +16,17 @@ from selfspec.distill import (
     DistillationObjective,
     acceptance_rate,
     best_gamma,
-    draft_names,
-    drafts,
     expected_tokens,
     kl_divergence,
     measure_costs,
     predicted_speedup,
     score_sums,
     soft_cross_entropy,
-    speedup_table,
     state_digest,
     target_pass,
     top1_agreement,
 )
-from selfspec.heads import ExitHeads, MedusaHeads
+from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
 
 
 def logits_of(*distributions: list[float]) -> torch.Tensor:
@@ -122,14 +119,14 @@ def test_drafts_pair_each_head_with_its_teacher():
     model = tiny_model("llama")
     adapter = ModelAdapter(model)
     hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 6)))
-    exit_drafts = drafts(ExitHeads(adapter.fingerprint(), [1, 3]), adapter, hidden_states)
+    exit_drafts = ExitHeads(adapter.fingerprint(), [1, 3]).distillation_drafts(adapter, hidden_states)
     assert [d.name for d in exit_drafts] == ["exit_1", "exit_3"]
     for draft, k in zip(exit_drafts, [1, 3], strict=True):  # untrained: the model's own norm and LM head
         assert torch.equal(draft.teacher(logits), logits)
         assert torch.equal(draft.head(draft.hidden), adapter.head_logits(hidden_states[k]))
     medusa = MedusaHeads(adapter.fingerprint(), num_heads=3)
-    medusa_drafts = drafts(medusa, adapter, hidden_states)
-    assert [d.name for d in medusa_drafts] == draft_names(medusa) == ["medusa_0", "medusa_1", "medusa_2"]
+    medusa_drafts = medusa.distillation_drafts(adapter, hidden_states)
+    assert [d.name for d in medusa_drafts] == medusa.draft_names() == ["medusa_0", "medusa_1", "medusa_2"]
     for i, draft in enumerate(medusa_drafts):  # head i at position t is taught by the target at t+1+i
         assert torch.equal(draft.hidden, hidden_states[-1][:, : 6 - 1 - i])
         assert torch.equal(draft.teacher(logits), logits[:, 1 + i :])
@@ -173,19 +170,30 @@ def test_measure_costs_times_every_draft():
     assert set(medusa_costs.draft_s) == {"medusa_0", "medusa_1", "medusa_2"} and medusa_costs.verify_s == {}
 
 
-def test_speedup_table_for_exit_depths_and_a_medusa_chain():
+def test_speedups_for_exit_depths_and_a_medusa_chain():
     heads = ExitHeads(tiny_fingerprint(), [1, 2])
     costs = Costs(step_s=1.0, draft_s={"exit_1": 0.1, "exit_2": 0.5})
-    table = speedup_table(heads, {"exit_1": 0.8, "exit_2": 0.9}, costs, max_gamma=8)
+    table = heads.speedups({"exit_1": 0.8, "exit_2": 0.9}, costs, max_gamma=8)
     assert table["exit_1"]["c"] == 0.1 and (table["exit_1"]["gamma"], table["exit_1"]["speedup"]) == best_gamma(
         0.8, 0.1, 8
     )
     medusa = MedusaHeads(tiny_fingerprint(), 2)
-    chain = speedup_table(
-        medusa, {"medusa_0": 0.5, "medusa_1": 0.4}, Costs(1.0, dict.fromkeys(draft_names(medusa), 0.05)), 8
+    chain = medusa.speedups(
+        {"medusa_0": 0.5, "medusa_1": 0.4}, Costs(1.0, dict.fromkeys(medusa.draft_names(), 0.05)), 8
     )
     assert chain["medusa_1"]["gamma"] == 2
     assert chain["medusa_1"]["speedup"] == pytest.approx((1 + 0.5 + 0.5 * 0.4) / (1 + 0.05))
+
+
+def test_a_kind_that_lacks_a_method_is_named():
+    class Bare(DraftHeads):
+        kind = "bare"
+
+    heads = Bare(tiny_fingerprint())
+    with pytest.raises(NotImplementedError, match=r"heads of kind 'bare' \(Bare\) do not implement draft_names"):
+        heads.draft_names()
+    with pytest.raises(NotImplementedError, match=r"heads of kind 'bare' \(Bare\) do not implement from_config"):
+        Bare.from_config(None, ModelAdapter(tiny_model("llama")))
 
 
 def tiny_fingerprint():
@@ -212,7 +220,10 @@ def test_objective_and_scores_match_the_definitions(kind):
         torch.nn.init.normal_(parameter, std=0.05)
     hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 7)))
     with torch.no_grad():
-        pairs = [(draft.teacher(logits), draft.head(draft.hidden)) for draft in drafts(heads, adapter, hidden_states)]
+        pairs = [
+            (draft.teacher(logits), draft.head(draft.hidden))
+            for draft in heads.distillation_drafts(adapter, hidden_states)
+        ]
         kl = DistillationObjective(heads, adapter, loss="kl")(hidden_states, logits)
         ce = DistillationObjective(heads, adapter, loss="soft_ce")(hidden_states, logits)
         sums = score_sums(heads, adapter, hidden_states, logits)

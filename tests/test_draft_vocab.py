@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_medusa import medusa_heads
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import SelfSpeculative, frequent_tokens
+from selfspec.adapter import ModelAdapter
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
@@ -51,6 +54,21 @@ def test_draft_vocabulary_errors():
         SelfSpeculative(model, draft_vocab=[])
     with pytest.raises(ValueError, match="apply to the shared LM head; these Medusa heads have their own"):
         SelfSpeculative(model, heads=medusa_heads(model, own_lm_head=True), draft_vocab=[1, 2])
+
+
+def test_draft_vocab_from_a_json_file(tmp_path):
+    model = tiny_model("llama")
+    subset = [3, 5, 7, 11, 13]
+    (tmp_path / "vocab.json").write_text(json.dumps(subset))
+    assert ModelAdapter(model).draft_vocabulary(tmp_path / "vocab.json").ids.tolist() == subset
+    prompt = random_prompt(5, seed=2)
+    spec = SelfSpeculative(model, exit_layer=2, draft_vocab=str(tmp_path / "vocab.json"))  # a path, as the CLI takes
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, max_new_tokens=12))
+    with pytest.raises(FileNotFoundError, match="draft_vocab: no file at .*missing.json"):
+        SelfSpeculative(model, draft_vocab=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"ids": [1, 2]}')
+    with pytest.raises(ValueError, match="bad.json must hold one JSON list of integer token ids"):
+        SelfSpeculative(model, draft_vocab=tmp_path / "bad.json")
 
 
 def test_frequent_tokens():

@@ -46,11 +46,23 @@ def test_eos_stops_where_generate_stops(model):
         assert actual[0, -1].item() in eos and actual.shape[1] < 6 + 40
 
 
+# {} and min_new_tokens without a maximum test the default max_length (20) on purpose: model.generate warns
+# about exactly that (the default, and a minimum it cannot reach), and selfspec must stop where it stops.
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`:UserWarning")
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints:UserWarning")
 def test_length_arguments(model):
     prompt = random_prompt(7, seed=12)
     for kwargs in ({"max_length": 7 + 15}, {}, {"max_new_tokens": 1}, {"min_new_tokens": 30, "eos_token_id": 5}):
         expected, actual = both(model, prompt, do_sample=False, **kwargs)
         assert torch.equal(actual, expected), kwargs
+
+
+def test_a_text_prompt_says_to_tokenize_first(model):
+    spec = SelfSpeculative(model, exit_layer=1)
+    with pytest.raises(TypeError, match="got str: tokenize it first"):
+        spec.generate("w4 w5", max_new_tokens=4)
+    with pytest.raises(TypeError, match="got list: tokenize it first"):
+        spec.generate(input_ids=[[4, 5]], max_new_tokens=4)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -403,7 +403,7 @@ def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["exit", "medusa"])
-def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch, capsys):
+def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch):
     from selfspec.config import EvalConfig
     from selfspec.data import row_tensor
     from selfspec.distill import DistillationObjective, target_pass
@@ -432,10 +432,8 @@ def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, mo
         optimizer.zero_grad()
     heldout = row_tensor(rows.heldout, range(len(rows.heldout)))
     table = profile_heads(model, heads, heldout, EvalConfig(timing_context=16, timing_repeats=3, max_gamma=3))
-    with capsys.disabled():
-        print(f"\n{kind} heads, 200 steps, {heldout.shape[0]} held-out rows:\n{format_table(table)}")
-    for row in table:
-        assert row["alpha"] > row["untrained_alpha"] + 0.02, row
+    for row in table:  # the table shows only when the test fails (pytest -s does not print it either)
+        assert row["alpha"] > row["untrained_alpha"] + 0.02, f"{kind} heads, 200 steps:\n{format_table(table)}"
 
 
 def train_in_process(config: Path, *arguments: str) -> None:
@@ -450,6 +448,22 @@ def train_in_process(config: Path, *arguments: str) -> None:
     finally:
         sys.path.remove(str(ROOT / "training"))
         AcceleratorState._reset_state(True)  # the next Accelerator starts afresh
+
+
+def test_an_existing_heads_folder_is_replaced_only_with_overwrite(world, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    config = write_config(world, "existing", **{"heads.exit_layers": [2], "train.max_steps": 2, "eval.every": 2})
+    heads_dir = world["root"] / "existing" / "heads"
+    heads_dir.mkdir(parents=True)
+    (heads_dir / "config.json").write_text('{"kind": "exit"}')  # stands for shipped heads
+    for arguments in ((), ("--resume",)):  # resuming a run that has no checkpoint replaces nothing either
+        with pytest.raises(FileExistsError, match=f"heads_dir {heads_dir} already exists.*pass --overwrite"):
+            train_in_process(config, *arguments)
+    assert not (world["root"] / "existing" / "run").exists()  # refused before any work
+    assert (heads_dir / "config.json").read_text() == '{"kind": "exit"}'
+    train_in_process(config, "--overwrite")
+    heads = load_heads(heads_dir, ModelAdapter(AutoModelForCausalLM.from_pretrained(world["target"])))
+    assert isinstance(heads, ExitHeads) and heads.exit_layers == [2]
 
 
 def test_peft_target_trains_in_process_and_stays_frozen(world, tmp_path, monkeypatch):

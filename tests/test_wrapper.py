@@ -1,6 +1,8 @@
-"""Wrapping: defaults, errors, one set of weights, trained exit heads, peft targets."""
+"""Wrapping: defaults, errors, one set of weights, trained exit heads, peft targets, the statistics."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import random_prompt, tiny_model
 from transformers import AutoModelForMaskedLM, BertConfig, T5Config, T5ForConditionalGeneration
 
-from selfspec import ExitHeads, HeadsMismatchError, SelfSpeculative, UnsupportedModelError
+from selfspec import ExitHeads, GenerationStats, HeadsMismatchError, SelfSpeculative, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,8 @@ def test_heads_for_another_target_are_refused(model, tmp_path):
 
 
 def test_broken_heads_folders_are_refused(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"No heads folder at {tmp_path / 'typo'}")):
+        SelfSpeculative(model, heads=tmp_path / "typo")
     folder = tmp_path / "heads"
     trained_looking_heads(model).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -140,3 +144,23 @@ def test_peft_prompt_learning_is_refused():
     peft_model = get_peft_model(tiny_model("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(UnsupportedModelError, match="PROMPT_TUNING"):
         SelfSpeculative(peft_model)
+
+
+def test_stats_print_the_figures_people_look_at(model):
+    stats = GenerationStats(new_tokens=12, target_passes=9, iterations=8, row_passes=9, proposed=10, accepted=4,
+                            accepted_per_position=[3, 1], proposed_per_position=[6, 4], alpha=0.45,
+                            draft_seconds=0.5, verify_seconds=1.0, total_seconds=2.0)  # fmt: skip
+    assert str(stats) == (
+        "12 new tokens in 2.00 s (6.0 tokens/s), 9 target passes (prefill + 8 iterations), 1.33 tokens per pass\n"
+        "drafts: 4 of 10 accepted, alpha_hat 0.400 (accepted / proposed), alpha 0.450 (analytic: mean of sum_x "
+        "min(p, q))\naccepted / proposed by draft position 1, 2, ...: 3/6, 1/4\n"
+        "time: draft 0.50 s, verify 1.00 s, other 0.50 s"
+    )
+    assert repr(stats) == (
+        "GenerationStats(new_tokens=12, target_passes=9, proposed=10, accepted=4, alpha_hat=0.400, alpha=0.450, "
+        "tokens_per_pass=1.33, tokens_per_second=6.0)"
+    )
+    plain = SelfSpeculative(model, num_draft_tokens=0)
+    plain.generate(random_prompt(4), max_new_tokens=5)
+    assert str(plain.stats).splitlines()[1] == "drafts: none proposed (plain decoding steps only)"
+    assert "5 new tokens" in str(plain.stats) and "1.00 tokens per pass" in str(plain.stats)

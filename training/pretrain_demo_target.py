@@ -12,13 +12,8 @@ one. At the end the model is exported in float16 with its tokenizer to `export_d
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
-import os
-import re
-import shlex
 import shutil
 import sys
 import time
@@ -35,10 +30,22 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from selfspec import frequent_tokens
-from selfspec.config import config_differences, load_config, save_config
+from selfspec.config import save_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stdlib_corpus import END_OF_TEXT, DataConfig, prepare_corpus  # noqa: E402
+from common import (
+    Progress,
+    argument_parser,
+    checkpoint_to_resume,
+    complete_checkpoints,
+    launch_command,
+    make_optimizer,
+    make_schedule,
+    parse_config,
+    resolve_mixed_precision,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from stdlib_corpus import END_OF_TEXT, DataConfig, prepare_corpus
 
 
 @dataclass
@@ -109,23 +116,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-@dataclass
-class Progress:
-    """Training state besides model, optimizer and scheduler; saved in every checkpoint."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    elapsed_s: float = 0.0  # training wall time summed over all sessions
-    heldout_loss: float | None = None  # most recent evaluation
-    commands: list[str] = field(default_factory=list)  # the command of every session
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.__init__(**state)
-
-
 def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     llama = LlamaConfig(
@@ -145,21 +135,6 @@ def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Llam
         pad_token_id=eot,
     )
     return LlamaForCausalLM(llama)
-
-
-def learning_rate_factor(step: int, config: TrainConfig) -> float:
-    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `max_steps`."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    others = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": config.weight_decay}, {"params": others, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
 
 
 def training_batch(stream: np.ndarray, config: TrainConfig, step: int, micro: int, process: int) -> torch.Tensor:
@@ -192,90 +167,6 @@ def heldout_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
     model.train()
     totals = accelerator.reduce(totals, reduction="sum")
     return (totals[0] / totals[1]).item()
-
-
-def resolve_mixed_precision(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    cpu_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    cpu_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return "bf16" if cpu_bf16 or cpu_amx else "no"
-
-
-def launch_command() -> str:
-    """The command that started this process: the `accelerate launch` parent if there is one."""
-    try:
-        parent = [part.decode() for part in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if part]
-    except OSError:  # not Linux
-        parent = []
-    if "launch" in parent and any(Path(part).name == "accelerate" for part in parent):
-        return shlex.join(["accelerate", *parent[parent.index("launch") :]])
-    return shlex.join(["python", *sys.argv])
-
-
-# Checkpoints -------------------------------------------------------------------------------------
-
-CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
-
-
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Finished checkpoints, oldest first (unfinished ones are temporary folders with another name)."""
-    if not directory.is_dir():
-        return []
-    found = [path for path in directory.iterdir() if CHECKPOINT_NAME.fullmatch(path.name)]
-    return sorted(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
-
-
-def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
-    """`save_state` into a temporary folder, renamed to step_<step> once every process has written its part
-    (each writes its own random states), so a run killed at any moment leaves only complete checkpoints.
-    `config` (this script's or train_heads') has `output_dir` and `train.keep_checkpoints`."""
-    directory = Path(config.output_dir) / "checkpoints"
-    final = directory / f"step_{step:06d}"
-    partial = directory / f"partial_step_{step:06d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()  # every process writes its own random states into the folder
-    if accelerator.is_main_process:
-        save_config(config, partial / "config.yaml")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        for old in complete_checkpoints(directory)[: -config.train.keep_checkpoints]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def restore_checkpoint(accelerator: Accelerator, config: Config, checkpoint: Path, progress: Progress) -> None:
-    accelerator.load_state(str(checkpoint))
-    saved = load_config(Config, checkpoint / "config.yaml")
-    changed = config_differences(saved, config)
-    accelerator.print(
-        f"resumed from {checkpoint} at step {progress.step}"
-        + (f"; config changed since: {', '.join(changed)}" if changed else "")
-    )
-    if accelerator.is_main_process:
-        for stale in (Path(config.output_dir) / "checkpoints").glob("partial_step_*"):
-            shutil.rmtree(stale)
-        truncate_metrics(Path(config.output_dir) / "metrics.jsonl", progress.step)
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics logged after `step` (and any half-written line) before re-running those steps."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
 # Export ------------------------------------------------------------------------------------------
@@ -424,17 +315,11 @@ def train(accelerator: Accelerator, model, optimizer, scheduler, corpus, config:
         save_checkpoint(accelerator, config, progress.step)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        allow_abbrev=False,
-        epilog="Any config value can be overridden with --section.key value.",
-    )
-    parser.add_argument("--config", help="YAML config (keys as in the Config dataclasses)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+def parse_args(argv: list[str] | None = None):
+    """(flags, config) of this script; see `common.parse_config`."""
+    parser = argument_parser(__doc__, "YAML config (keys as in the Config dataclasses)")
     parser.add_argument("--export_only", action="store_true", help="export the last checkpoint and exit")
-    args, overrides = parser.parse_known_args(argv)
-    return args, load_config(Config, args.config, overrides)
+    return parse_config(parser, Config, argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,22 +339,21 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(tc.seed)
     model = build_model(config.model, corpus.tokenizer)
     optimizer = make_optimizer(model, tc)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, tc))
+    scheduler = make_schedule(optimizer, tc)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
 
-    checkpoints = complete_checkpoints(run_dir / "checkpoints")
     if args.export_only:
+        checkpoints = complete_checkpoints(run_dir / "checkpoints")
         if not checkpoints:
             raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to export")
         restore_checkpoint(accelerator, config, checkpoints[-1], progress)
         export(accelerator, model, corpus.tokenizer, config, progress, corpus)
         return
-    if checkpoints and not args.resume:
-        raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume or choose another output_dir")
-    if checkpoints:
-        restore_checkpoint(accelerator, config, checkpoints[-1], progress)
+    checkpoint = checkpoint_to_resume(run_dir, args.resume)
+    if checkpoint is not None:
+        restore_checkpoint(accelerator, config, checkpoint, progress)
     progress.commands.append(launch_command())
 
     parameters = sum(p.numel() for p in model.parameters())

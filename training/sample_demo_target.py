@@ -20,11 +20,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_demo_target import Config, ModelConfig, TrainConfig, build_model  # noqa: E402
-from stdlib_corpus import END_OF_TEXT, DataConfig, read_sources, split_files, stdlib_root  # noqa: E402
+from selfspec.config import load_config
 
-from selfspec.config import load_config  # noqa: E402
+from pretrain_demo_target import Config, ModelConfig, TrainConfig, build_model
+from stdlib_corpus import END_OF_TEXT, DataConfig, read_sources, split_files, stdlib_root
 
 
 def load_model(path: Path):

@@ -1,29 +1,27 @@
 """Train draft heads (exit heads or Medusa heads) on a frozen target by self-distillation.
 
     accelerate launch --config_file configs/accelerate/cpu.yaml training/train_heads.py \
-        --config configs/train_heads_demo.yaml [--resume] [--report_to none] [--train.lr 3e-4 ...]
+        --config configs/train_heads_demo.yaml [--resume] [--overwrite] [--report_to none] [--train.lr 3e-4 ...]
 
 One forward of the frozen target per batch gives every hidden state and the target's logits; each draft
 (exit depth or Medusa head) learns KL(p || q) against the target's own distribution (selfspec/distill.py).
 The rows of a step are a pure function of (seed, step, micro-step) and each process takes its slice of
 them, so a resumed run continues exactly and N processes train what one process trains with the same
 total batch. Checkpoints (`accelerator.save_state`) are written to a temporary folder and renamed. The
-heads are written with a model card to `heads_dir`; figures go to the tracker (W&B by default, offline
+heads are written with a model card to `heads_dir`, which must not exist yet unless `--overwrite` (or
+`--resume` of the run that writes it) says to replace it; figures go to the tracker (W&B by default, offline
 without credentials), metrics.jsonl, the console and alpha_by_depth.png in `output_dir`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import shlex
-import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,20 +29,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfspec.adapter import ModelAdapter
-from selfspec.config import (
-    TargetConfig,
-    TrainHeadsConfig,
-    config_differences,
-    default_exit_layers,
-    load_config,
-    save_config,
-)
+from selfspec.config import TargetConfig, TrainHeadsConfig, save_config
 from selfspec.data import load_rows, row_tensor
-from selfspec.distill import DistillationObjective, draft_names, state_digest, target_pass
-from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+from selfspec.distill import DistillationObjective, state_digest, target_pass
+from selfspec.heads import KINDS, DraftHeads, load_heads
 from selfspec.lora import DraftLoRA, peft_lora_config
 from selfspec.profile import (
     configure_wandb,
@@ -55,50 +45,35 @@ from selfspec.profile import (
     measure,
     plot_alpha,
     report_rows,
-    untrained_like,
     wandb_objects,
 )
+from selfspec.targets import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_demo_target import (  # noqa: E402  (shared schedule, optimizer and checkpoint folder logic)
+from common import (
+    Progress,
+    argument_parser,
+    check_process_count,
+    checkpoint_to_resume,
     complete_checkpoints,
     launch_command,
-    learning_rate_factor,
     make_optimizer,
+    make_schedule,
+    parse_config,
     resolve_mixed_precision,
+    restore_checkpoint,
     save_checkpoint,
-    truncate_metrics,
 )
-
-
-@dataclass
-class Progress:
-    """Training state besides heads, optimizer and scheduler; saved in every checkpoint."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    elapsed_s: float = 0.0  # training wall time summed over all sessions
-    untrained: dict | None = None  # held-out figures of the untrained heads, measured once
-    trained: dict | None = None  # the most recent held-out figures
-    tracker_run_id: str | None = None  # the W&B run that a resumed session continues
-    commands: list[str] = field(default_factory=list)  # the command of every session
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.__init__(**state)
 
 
 def load_target(config: TargetConfig, device: torch.device):
-    """(frozen target in eval mode, its tokenizer); a peft adapter is applied on top when configured."""
-    kwargs = {"dtype": "auto" if config.dtype == "auto" else getattr(torch, config.dtype)}
+    """(frozen target in eval mode, its tokenizer); a peft adapter is applied on top when configured.
+    `name_or_path` may name a known target (selfspec.targets: demo, smollm2-135m-instruct)."""
+    kwargs = {}
     if config.device_map is not None:
         kwargs["device_map"] = config.device_map
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(config.name_or_path, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(config.name_or_path)
+    model, tokenizer = load_model(config.name_or_path, config.dtype, **kwargs)
     if config.adapter_path is not None:
         from peft import PeftModel
 
@@ -110,13 +85,9 @@ def load_target(config: TargetConfig, device: torch.device):
 
 
 def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
-    hc = config.heads
-    if hc.kind == "medusa":
-        heads = MedusaHeads(adapter.fingerprint(), hc.num_heads, hc.num_layers, hc.own_lm_head, hc.num_draft_tokens)
-        heads.init_own_lm_heads(adapter.lm_head)
-    else:
-        layers = hc.exit_layers or default_exit_layers(adapter.num_layers)
-        heads = ExitHeads(adapter.fingerprint(), layers, hc.intermediate_size, hc.num_draft_tokens)
+    """Untrained heads of the configured kind (`selfspec.heads.KINDS`; the config checked the name), with the
+    draft-only LoRA when `lora.r` asks for one."""
+    heads = KINDS[config.heads.kind].from_config(config.heads, adapter)
     lc = config.lora
     if lc.r:  # peft builds the draft-only adapter on the LM head; its factors train with the heads
         heads.draft_lora = DraftLoRA.from_peft(
@@ -133,10 +104,9 @@ def load_baseline(config: TrainHeadsConfig, adapter: ModelAdapter, heads: DraftH
     if not config.lora.r:
         raise ValueError("lora.baseline_heads is set but lora.r is 0: there is no adapter to compare with")
     baseline = load_heads(path, adapter)
-    if type(baseline) is not type(heads) or draft_names(baseline) != draft_names(heads):
-        raise ValueError(
-            f"lora.baseline_heads {path} has the drafts {draft_names(baseline)}; these heads have {draft_names(heads)}"
-        )
+    if type(baseline) is not type(heads) or baseline.draft_names() != heads.draft_names():
+        drafts, expected = baseline.draft_names(), heads.draft_names()
+        raise ValueError(f"lora.baseline_heads {path} has the drafts {drafts}; these heads have {expected}")
     if baseline.draft_lora is not None:
         raise ValueError(f"lora.baseline_heads {path} carries a draft LoRA itself; give heads trained without one")
     return baseline.to(adapter.device)
@@ -157,36 +127,12 @@ def step_rows(num_rows: int, config: TrainHeadsConfig, step: int, micro: int, pr
     return [int(_epoch_order(num_rows, tc.seed, p // num_rows)[p % num_rows]) for p in positions]
 
 
-def check_process_count(accelerator: Accelerator) -> None:
-    """Refuse to run with another process count than `accelerate launch --num_processes` asked for.
-
-    accelerate 1.15 starts `--cpu --num_processes N` as one plain process (multi-process CPU runs go
-    through mpirun, `--mpirun_hostfile`, only), with no warning."""
-    words = shlex.split(launch_command())
-    asked = next((w.split("=", 1)[1] for w in words if w.startswith("--num_processes=")), None)
-    if "--num_processes" in words and words.index("--num_processes") + 1 < len(words):
-        asked = words[words.index("--num_processes") + 1]
-    if asked is not None and asked.isdigit() and int(asked) != accelerator.num_processes:
-        raise SystemExit(
-            f"accelerate launch asked for {asked} processes but started {accelerator.num_processes}. With --cpu, "
-            "accelerate starts several processes only through mpirun (--mpirun_hostfile); on a machine without "
-            f"GPUs use `accelerate launch --multi_gpu --num_processes {asked}` (gloo) or torchrun instead."
-        )
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainHeadsConfig]:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        allow_abbrev=False,
-        epilog="Any config value can be overridden with --section.key value.",
-    )
-    parser.add_argument("--config", help="YAML config (keys as in selfspec/config.py TrainHeadsConfig)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+def parse_args(argv: list[str] | None = None):
+    """(flags, config) of this script; see `common.parse_config`."""
+    parser = argument_parser(__doc__, "YAML config (keys as in selfspec/config.py TrainHeadsConfig)")
+    parser.add_argument("--overwrite", action="store_true", help="replace heads_dir if it already holds heads")
     parser.add_argument("--report_to", help="shorthand for --logging.report_to (wandb | none)")
-    args, overrides = parser.parse_known_args(argv)
-    if args.report_to is not None:
-        overrides += ["--logging.report_to", args.report_to]
-    return args, load_config(TrainHeadsConfig, args.config, overrides)
+    return parse_config(parser, TrainHeadsConfig, argv, shorthands={"report_to": "logging.report_to"})
 
 
 class Run:
@@ -225,33 +171,19 @@ class Run:
         self.baseline = load_baseline(config, self.adapter, self.heads)
         objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits)
         optimizer = make_optimizer(objective, tc)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, tc))
+        scheduler = make_schedule(optimizer, tc)
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(objective, optimizer, scheduler)
         self.progress = Progress()
         accelerator.register_for_checkpointing(self.progress)
-        checkpoints = complete_checkpoints(self.out / "checkpoints")
-        if checkpoints and not resume:
-            raise FileExistsError(f"{self.out} already has checkpoints: pass --resume or choose another output_dir")
-        if checkpoints:
-            self.restore(checkpoints[-1])
+        checkpoint = checkpoint_to_resume(self.out, resume)
+        if checkpoint is not None:
+            restore_checkpoint(accelerator, config, checkpoint, self.progress)
         self.progress.commands.append(launch_command())
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
         self.eval_rows = row_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
         if accelerator.is_main_process:
             save_config(config, self.out / "config.yaml")
-
-    def restore(self, checkpoint: Path) -> None:
-        self.accelerator.load_state(str(checkpoint))
-        changed = config_differences(load_config(TrainHeadsConfig, checkpoint / "config.yaml"), self.config)
-        self.accelerator.print(
-            f"resumed from {checkpoint} at step {self.progress.step}"
-            + (f"; config changed since: {', '.join(changed)}" if changed else "")
-        )
-        if self.accelerator.is_main_process:
-            for stale in (self.out / "checkpoints").glob("partial_step_*"):
-                shutil.rmtree(stale)
-            truncate_metrics(self.out / "metrics.jsonl", self.progress.step)
 
     def evaluate(self, heads: DraftHeads) -> dict:
         acc = self.accelerator
@@ -302,7 +234,7 @@ class Run:
             if acc.is_main_process:
                 progress.tracker_run_id = acc.get_tracker("wandb", unwrap=True).id
         if progress.untrained is None:
-            progress.untrained = self.evaluate(untrained_like(self.heads))
+            progress.untrained = self.evaluate(self.heads.untrained_copy())
         costs = measure(self.adapter, self.heads, self.eval_rows, config.eval) if acc.is_main_process else None
         rows = self.report(costs) if progress.step == 0 else None  # a resumed run reports at its next evaluation
         if rows is not None:
@@ -417,8 +349,24 @@ class Run:
         acc.end_training()
 
 
+def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any work, a run that would replace an existing heads folder (the bundled heads, say:
+    their tuned defaults and card are not in the run) unless --overwrite asks for it. A resumed run may
+    replace it: it started while the folder was absent, or with --overwrite."""
+    heads_dir = Path(config.heads_dir)
+    if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
+        return
+    if resume and complete_checkpoints(Path(config.output_dir) / "checkpoints"):
+        return
+    raise FileExistsError(
+        f"heads_dir {heads_dir} already exists and this run would replace it: pass --overwrite to replace it, "
+        "or choose another folder (--heads_dir PATH)"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(argv)
+    check_heads_dir(config, args.resume, args.overwrite)
     Run(config, resume=args.resume).train()
 
 

@@ -1,0 +1,90 @@
+"""The working state of one `generate` call, and how an iteration's tokens are committed to it: EOS, token
+budgets, stopping criteria, streamer and scores, with the iteration's one host synchronisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adaptive import DraftController
+from .generation import GenerationSetup, process_scores, stopping_point
+from .state import DecodeState
+from .stats import GenerationStats, Stopwatch
+from .verify import acceptance_mass
+
+
+@dataclass
+class Call:
+    """The working state of one `generate` call. Rows still generating are `state`'s rows; `rows[b]` is
+    the caller's index of active row b."""
+
+    setup: GenerationSetup
+    state: DecodeState
+    rows: list[int]
+    generated: list[int]  # new tokens per active row
+    watch: Stopwatch
+    alpha: torch.Tensor  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    controllers: list[DraftController] = field(default_factory=list)  # per drafter, when drafting adapts
+    drafted_by: int | None = None  # the drafter of the iteration being committed (None: a plain step)
+    done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
+    scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
+    logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
+
+    @property
+    def remaining(self) -> int:
+        """New tokens the row closest to its budget may still take."""
+        return self.setup.max_new_tokens - max(self.generated)
+
+    def process(self, tokens: torch.Tensor, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Processed scores [batch, P, V] of the positions after each row's tokens and tokens[:, :offset+i],
+        with the input ids `model.generate` would give the processors (see `process_scores`)."""
+        inputs = self.state.processor_inputs()
+        if isinstance(inputs, torch.Tensor) or not self.setup.row_processors:
+            return process_scores(self.setup.processors, inputs, tokens, logits, offset)
+        row_processors = [self.setup.row_processors[row] for row in self.rows]
+        return process_scores(row_processors, inputs, tokens, logits, offset)
+
+    def record_alpha(self, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
+        p, q: [batch, G, V]."""
+        tested = torch.arange(q.shape[1], device=q.device)[None, :] <= num_accepted[:, None]  # [batch, G]
+        mass = torch.where(tested, acceptance_mass(p, q), 0)  # untested positions may hold NaN
+        self.alpha += torch.stack([mass.sum(), tested.sum()]).double()
+
+    def commit(self, committed, num_accepted, scores, logits):
+        """Append to each row `committed[b, :num_accepted[b] + 1]` ([batch, W]), cut at its first EOS, its
+        token budget and its first stopping criterion. Holds the iteration's one host synchronisation.
+        Returns per row: the accepted drafts, the tokens appended, and whether the row is done."""
+        setup, state = self.setup, self.state
+        count = num_accepted + 1
+        eos_hit = torch.zeros_like(count)
+        if setup.eos_token_ids is not None:
+            in_reach = torch.arange(committed.shape[1], device=committed.device)[None, :] < count[:, None]
+            is_eos = torch.isin(committed, setup.eos_token_ids) & in_reach
+            eos_hit = is_eos.any(dim=1).long()
+            count = torch.where(eos_hit.bool(), is_eos.long().argmax(dim=1) + 1, count)
+        accepted, counts, eos_hits = torch.stack([num_accepted, count, eos_hit]).tolist()  # [3, batch] -> lists
+        kept, finished = [], []
+        for row, (count_b, eos_b) in enumerate(zip(counts, eos_hits, strict=True)):
+            budget = setup.max_new_tokens - self.generated[row]
+            keep = min(count_b, budget)
+            prefix = state.sequences[row : row + 1, state.added_pad[row] :]
+            stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
+            keep = stop or keep
+            kept.append(keep)
+            finished.append(stop is not None or (bool(eos_b) and keep == count_b) or keep == budget)
+            self.generated[row] += keep
+        state.append(committed, kept)
+        if setup.config.output_scores:
+            self.scores.extend(scores[:, i].clone() for i in range(kept[0]))
+        if setup.config.output_logits:
+            self.logits.extend(logits[:, i].float().clone() for i in range(kept[0]))
+        if setup.streamer is not None:
+            setup.streamer.put(committed[0, : kept[0]].cpu())
+        self.stats.new_tokens += sum(kept)
+        for row, done in enumerate(finished):
+            if done:  # the row as the caller gave it (its own padding) and what it generated
+                self.done[self.rows[row]] = state.sequences[row, state.added_pad[row] :]
+        return accepted, kept, finished

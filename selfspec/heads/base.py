@@ -1,0 +1,173 @@
+"""What every kind of draft heads shares: `DraftHeads` (the target's fingerprint, a tuned gamma, an optional
+draft-only LoRA, the folder writer, and the methods each kind implements) and the folder's file names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
+from ..distill import Costs, Draft
+from ..lora import DraftLoRA
+
+if TYPE_CHECKING:
+    from ..config import HeadsConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+CARD_NAME = "README.md"
+
+
+class HeadsMismatchError(ValueError):
+    """Heads trained for another target, or a heads folder that is incomplete or corrupted."""
+
+
+@dataclass
+class DraftSetting:
+    """A way of drafting with some heads, which `selfspec tune` measures: chains of gamma = 1..max_gamma drafts,
+    and candidate trees up to `tree_depth` levels."""
+
+    name: str  # the drafts it uses: exit_<k>, or medusa (all Medusa heads together)
+    label: str  # how tables call its chains: exit <k> | medusa chain
+    options: dict  # the SelfSpeculative arguments that select its chains
+    max_gamma: int  # the longest chain it drafts
+    timed: str  # the draft whose measured time (`Costs.c`) one drafting call takes ...
+    per_call: int  # ... and the draft tokens that call gives: c = Costs.c(timed) / per_call
+    upper: float  # the share of the layers that a verify pass runs for its extra positions
+    tree_depth: int = 0  # the deepest candidate tree it drafts (0: chains only)
+
+
+class DraftHeads(nn.Module):
+    """What every kind of heads shares: the target fingerprint, a default gamma, an optional draft-only LoRA
+    on the shared LM head (`selfspec.lora`), the folder format."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        num_draft_tokens: int | None = None,
+        position_cost: float | None = None,
+        draft_lora: dict | None = None,
+    ):
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.num_draft_tokens = num_draft_tokens
+        self.position_cost = position_cost  # measured by `selfspec tune`: see SelfSpeculative(position_cost=)
+        self.draft_lora = (
+            DraftLoRA.from_settings(fingerprint.hidden_size, fingerprint.vocab_size, draft_lora) if draft_lora else None
+        )
+
+    def settings(self) -> dict:
+        """The constructor arguments (besides the fingerprint) that rebuild these heads."""
+        raise self._missing("settings")
+
+    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
+        """The `Drafter` these heads draft with (SelfSpeculative's arguments; unsupported ones raise ValueError)."""
+        raise NotImplementedError
+
+    def drafter(self, adapter: ModelAdapter, exit_layer=None, tree=None, vocab=None, confidence=None):
+        """`make_drafter`, with the heads' tuned gamma (`num_draft_tokens`) as the drafter's default."""
+        drafter = self.make_drafter(adapter, exit_layer, tree, vocab, confidence)
+        drafter.default_drafts = min(self.num_draft_tokens or drafter.default_drafts, drafter.max_drafts)
+        return drafter
+
+    # What training (selfspec.distill), `selfspec profile` and `selfspec tune` need of a kind: each kind implements
+    # these, so that none of them asks which kind it holds.
+
+    @classmethod
+    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> DraftHeads:
+        """Untrained heads as the `heads` section of a training config describes them, for `adapter`'s target."""
+        raise NotImplementedError(f"heads of kind {cls.kind!r} ({cls.__name__}) do not implement from_config")
+
+    def draft_names(self) -> list[str]:
+        """One name per draft, `<kind>_<depth>`, in order: evaluations, tables and `Costs` are keyed by them."""
+        raise self._missing("draft_names")
+
+    def distillation_drafts(
+        self, adapter: ModelAdapter, hidden_states, vocab: DraftVocabulary | None = None
+    ) -> list[Draft]:
+        """The drafts and their teachers given one target forward's `hidden_states` (as `output_hidden_states=True`
+        returns them: L+1 entries `[batch, T, H]`, the last one normed), through the LM head as `vocab` gives it
+        (a reduced or int8 draft head; None: the model's own)."""
+        raise self._missing("distillation_drafts")
+
+    def untrained_copy(self) -> DraftHeads:
+        """Fresh heads with the same drafts, on the same device and dtype: what the target drafts untrained."""
+        raise self._missing("untrained_copy")
+
+    def cost_timers(
+        self, adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, vocab
+    ) -> dict[str, tuple[Callable[[object], object], list[str]]]:
+        """What `distill.measure_costs` times for c: {label: (call(cache), the drafts its time is charged to)}. A
+        call drafts after the cached context: `ids`, `positions` [1, 1] are the next token, `hidden` [1, n, H]
+        the context's normed last hidden states; `vocab` is the draft LM head (None: the model's own)."""
+        raise self._missing("cost_timers")
+
+    def speedups(self, alphas: dict[str, float], costs: Costs, max_gamma: int) -> dict[str, dict]:
+        """Per draft: c, the best gamma and its predicted speedup, from the drafts' alphas and measured `costs`."""
+        raise self._missing("speedups")
+
+    def draft_settings(self, num_layers: int, max_gamma: int) -> list[DraftSetting]:
+        """The ways of drafting with these heads that `selfspec tune` measures (chains up to `max_gamma` where
+        the kind has no longer limit of its own) on a target of `num_layers` layers."""
+        raise self._missing("draft_settings")
+
+    def set_defaults(self, options: dict) -> None:
+        """Make a tuned choice's `SelfSpeculative` options these heads' defaults (their folder records them)."""
+        raise self._missing("set_defaults")
+
+    def description(self) -> str:
+        """What these heads are, for their card: "exit heads (one per exit depth)", "4 Medusa heads"."""
+        raise self._missing("description")
+
+    def _missing(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"heads of kind {self.kind!r} ({type(self).__name__}) do not implement {method}")
+
+    def _as_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` on the heads' device and dtype (heads may train in float32 on a half-precision target)."""
+        weight = next(self.parameters())
+        return hidden.to(device=weight.device, dtype=weight.dtype)
+
+    def _alike(self, fresh: DraftHeads) -> DraftHeads:
+        weight = next(self.parameters())
+        return fresh.to(device=weight.device, dtype=weight.dtype)
+
+    def config_dict(self) -> dict:
+        lora = self.draft_lora.settings() if self.draft_lora is not None else None
+        settings = {**self.settings(), "position_cost": self.position_cost, "draft_lora": lora}
+        return {"kind": self.kind, **settings, "target": self.fingerprint.to_dict()}
+
+    def save_pretrained(self, path: str | os.PathLike, card: str | None = None) -> None:
+        """Write config, weights and card atomically: a crash leaves the old folder or the new one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        (staging / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt", "kind": self.kind})
+        (staging / CARD_NAME).write_text(
+            card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
+        )
+        if path.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, retired / path.name)
+            os.replace(staging, path)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, path)
+
+
+def on_target(hidden: torch.Tensor, adapter: ModelAdapter) -> torch.Tensor:
+    """A head's output on the target's device and dtype, for the target's own norm and LM head."""
+    return hidden.to(device=adapter.device, dtype=adapter.dtype)

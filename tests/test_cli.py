@@ -1,0 +1,76 @@
+"""The `selfspec` commands' defaults: the bundled demo target without --model (profile with its held-out
+files), one torch thread unless told otherwise, help that shows the defaults and says what --output holds,
+and the extra to install named when a command's package is missing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from selfspec import cli
+from selfspec.cli import build_parser, bundled_heldout, main
+from selfspec.config import TrainHeadsConfig, load_config
+from selfspec.demo import BUNDLED, BUNDLED_CONFIG
+
+
+def help_text(command: str, capsys) -> str:
+    """`selfspec COMMAND --help`, with argparse's line wrapping undone."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    "command, output",
+    [
+        ("demo", "--output OUTPUT folder for alpha_by_depth.png (default: runs/demo)"),
+        ("bench", "--output OUTPUT folder for bench.json, bench.md and bench.png"),
+        ("profile", "--output OUTPUT folder for alpha_by_depth.png (default: runs/profile)"),
+        ("tune", None),  # tune writes into the heads folders
+    ],
+)
+def test_help_shows_defaults_and_what_output_holds(command, output, capsys):
+    text = help_text(command, capsys)
+    assert "--num_threads NUM_THREADS torch CPU threads; 0: torch's default" in text and "(default: 1)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    if output is None:
+        assert "--output" not in text
+    else:
+        assert output in text
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "tune", "profile"])
+def test_commands_default_to_one_thread(command):
+    assert build_parser().parse_args([command]).num_threads == 1
+    assert build_parser().parse_args([command, "--num_threads", "0"]).num_threads == 0
+
+
+def test_profile_without_model_runs_on_the_bundled_target_and_its_heldout_files(monkeypatch, capsys, tmp_path):
+    listed = load_config(TrainHeadsConfig, BUNDLED_CONFIG).data.heldout_files.split(",")
+    files = bundled_heldout().split(",")
+    assert 0 < len(files) <= len(listed) == 40 and all(Path(path).is_file() for path in files)
+    monkeypatch.setattr(cli, "bundled_heldout", lambda: files[0])  # one file keeps the test fast
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    arguments = ["--max_rows", "2", "--seq_len", "32", "--timing_repeats", "2", "--max_gamma", "2"]
+    assert main(["profile", *arguments, "--output", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{BUNDLED}: 2 rows of 32 tokens from the demo target's held-out files" in printed
+    assert "| trained alpha |" in re.sub(r" +", " ", printed) and "| exit_8 " in printed  # the bundled exit heads
+    assert (tmp_path / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_with_model_needs_data():
+    with pytest.raises(SystemExit, match="--model needs --data"):
+        main(["profile", "--model", str(BUNDLED)])
+
+
+def test_a_missing_extra_is_named(monkeypatch):
+    def lean_install(args):
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    monkeypatch.setattr(cli, "run_demo", lean_install)
+    message = "selfspec demo needs matplotlib, which is in selfspec's [demo] extra: pip install -e '.[demo]'"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["demo"])

@@ -1,0 +1,125 @@
+"""Spec-Bench prompts (first turn through the chat template, categories grouped as Spec-Bench reports them),
+bench results per category, the memory the heads add, and `selfspec bench --prompts question.jsonl`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from selfspec import ExitHeads, SelfSpeculative
+from selfspec.adapter import ModelAdapter
+from selfspec.bench import Contender, added_memory
+from selfspec.cli import main
+from selfspec.demo import encode
+from selfspec.specbench import (
+    ChatPrompt,
+    category_report,
+    first_per_category,
+    read_prompts,
+    summarize_by_category,
+)
+
+QUESTIONS = [  # Spec-Bench rows; words are the tiny tokenizer's tokens
+    {"question_id": 1, "category": "writing", "turns": ["t5 t6", "t7 t8"]},
+    {"question_id": 2, "category": "qa", "turns": ["t9 t10 t11"]},
+    {"question_id": 3, "category": "coding", "turns": ["t12"]},
+    {"question_id": 4, "category": "qa", "turns": ["t13"]},
+    {"question_id": 5, "category": "translation", "turns": ["t14 t15"]},
+]
+
+
+def tiny_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:
+    """Word-level tokens t0..t95; every encoding starts with t2 (its BOS); with `chat`, a chat template that
+    writes t2, the messages, and t1 as the generation prompt."""
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="t2 $A", special_tokens=[("t2", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t2", unk_token="t3", pad_token="t0")
+    if chat:
+        tokenizer.chat_template = (
+            "t2{% for m in messages %} {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} t1{% endif %}"
+        )
+    return tokenizer
+
+
+def write_questions(path, rows=QUESTIONS):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_questions_become_first_turn_chat_prompts_by_category(tmp_path):
+    prompts = read_prompts(write_questions(tmp_path / "q.jsonl"), tiny_tokenizer())
+    assert prompts == ["t2 t5 t6 t1", "t2 t9 t10 t11 t1", "t2 t12 t1", "t2 t13 t1", "t2 t14 t15 t1"]
+    assert all(isinstance(p, ChatPrompt) for p in prompts)
+    assert [p.category for p in prompts] == ["mt_bench", "qa", "mt_bench", "qa", "translation"]
+    ids = encode(tiny_tokenizer(), [prompts[0], "t5 t6"], torch.device("cpu"))
+    assert ids[0].tolist() == [[2, 5, 6, 1]]  # the template's BOS, no second one
+    assert ids[1].tolist() == [[2, 5, 6]]  # a plain prompt gets the tokenizer's special tokens
+    assert [p.category for p in first_per_category(prompts, 1)] == ["mt_bench", "qa", "translation"]
+    with pytest.raises(ValueError, match="needs Spec-Bench prompts"):
+        first_per_category(["t5"], 1)
+
+
+def test_question_files_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="this tokenizer has none"):
+        read_prompts(write_questions(tmp_path / "q.jsonl"), tiny_tokenizer(chat=False))
+    bad = [QUESTIONS[0], {"question_id": 9, "category": "qa", "turns": []}]
+    with pytest.raises(ValueError, match="row 2 is not a Spec-Bench question"):
+        read_prompts(write_questions(tmp_path / "bad.jsonl", bad), tiny_tokenizer())
+    (tmp_path / "plain.jsonl").write_text('{"prompt": "t5 t6"}\n')  # not Spec-Bench: plain prompts, as before
+    assert read_prompts(tmp_path / "plain.jsonl", tiny_tokenizer()) == ["t5 t6"]
+
+
+def test_bench_rows_are_summarized_per_category():
+    prompts = [ChatPrompt("a", "mt_bench"), ChatPrompt("b", "qa"), ChatPrompt("c", "qa")]
+    plain = Contender("generate", False, None, baseline=True, seconds=[1.0, 2.0, 4.0], tokens=[10, 10, 10],
+                      matched=[True, True, True], prompt_indices=[0, 1, 2])  # fmt: skip
+    fast = Contender("fast", False, None, seconds=[0.5, 2.0, 2.0], tokens=[10, 10, 10],
+                     matched=[True, False, True], prompt_indices=[0, 1, 2])  # fmt: skip
+    by_category = summarize_by_category([plain, fast], prompts)
+    assert list(by_category) == ["mt_bench", "qa", "overall"]
+    speedups = {category: rows[1]["speedup"] for category, rows in by_category.items()}
+    assert speedups["mt_bench"] == pytest.approx(20 / 10)
+    assert speedups["qa"] == pytest.approx(5 / 3.75)  # medians of 5, 5 and of 5, 2.5 tokens/s
+    assert speedups["overall"] == pytest.approx(5 / 5)
+    assert [rows[1]["matched"] for rows in by_category.values()] == [True, False, False]
+    assert [rows[1]["runs"] for rows in by_category.values()] == [1, 2, 3]
+    report = category_report(by_category, prompts)
+    for heading in ("### mt_bench (1 prompts)", "### qa (2 prompts)", "### overall (3 prompts)"):
+        assert heading in report
+    assert "| contender | mt_bench | qa | overall |" in report and "| fast | 2.00x | 1.33x | 1.00x |" in report
+
+
+def test_added_memory_counts_the_heads_and_draft_copies():
+    model = tiny_model("llama", num_layers=4)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert added_memory(SelfSpeculative(model, exit_layer=2)) == {"heads_mb": 0.0, "heads_share": 0.0}
+    heads = ExitHeads(ModelAdapter(model).fingerprint(), [2])
+    head_bytes = sum(p.numel() * p.element_size() for p in heads.parameters())
+    memory = added_memory(SelfSpeculative(model, heads=heads, exit_layer=2))
+    assert memory["heads_mb"] == head_bytes / 2**20 and memory["heads_share"] == head_bytes / model_bytes
+    ids = list(range(0, 96, 2))  # 48 rows of the LM head copied for the drafts, with their ids
+    reduced = added_memory(SelfSpeculative(model, heads=heads, exit_layer=2, draft_vocab=ids))
+    copy_bytes = 48 * model.config.hidden_size * 4 + 48 * 8
+    assert reduced["heads_mb"] * 2**20 == head_bytes + copy_bytes
+
+
+def test_bench_command_reads_spec_bench_questions(tmp_path, capsys):
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    args = ["bench", "--model", str(tmp_path / "model"), "--prompts", str(write_questions(tmp_path / "q.jsonl"))]
+    args += ["--limit_per_category", "1", "--max_new_tokens", "6", "--repeats", "1", "--no_transformers"]
+    assert main([*args, "--no_sampling", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    for heading in ("### mt_bench (1 prompts)", "### qa (1 prompts)", "### translation (1 prompts)", "### overall"):
+        assert heading in out
+    assert "| contender | mt_bench | translation | qa | overall |" in out  # Spec-Bench's order
+    rows = json.loads((tmp_path / "out" / "bench_by_category.json").read_text())["results"]
+    assert {(row["category"], row["contender"]) for row in rows} >= {("qa", "generate"), ("overall", "generate")}
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]["prompts"] == 3

@@ -1,0 +1,225 @@
+"""What the training scripts share: argument parsing, the `Progress` record, optimizer and schedule,
+checkpoints and the launch checks.
+
+The scripts import it as a sibling module (`from common import ...`): Python puts a script's own folder
+first on `sys.path`, so this works for `python training/<script>.py` and `accelerate launch
+training/<script>.py` from any working directory, and for torchrun's worker processes.
+
+A train config here is any dataclass with the fields these functions read: `lr`, `beta1`, `beta2`,
+`weight_decay`, `warmup_steps`, `min_lr_ratio`, `max_steps` (optimizer and schedule) and a run config
+with `output_dir` and `train.keep_checkpoints` (checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from accelerate import Accelerator
+
+from selfspec.config import config_differences, load_config, save_config
+
+ConfigT = TypeVar("ConfigT")
+
+# Arguments ---------------------------------------------------------------------------------------
+
+
+def argument_parser(doc: str, config_help: str) -> argparse.ArgumentParser:
+    """`--config FILE` and `--resume`; a script adds its own flags, and `parse_config` reads every
+    `--section.key value` left over as a config override. `doc`: the script's docstring (its first paragraph
+    is the description)."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any config value can be overridden with --section.key value.",
+    )
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+    return parser
+
+
+def parse_config(
+    parser: argparse.ArgumentParser,
+    config_type: type[ConfigT],
+    argv: list[str] | None = None,
+    shorthands: dict[str, str] | None = None,
+) -> tuple[argparse.Namespace, ConfigT]:
+    """(the script's flags, its config): the defaults of `config_type`, then the `--config` file, then the
+    overrides. `shorthands` map a flag to the dotted key it sets (`{"report_to": "logging.report_to"}`)."""
+    args, overrides = parser.parse_known_args(argv)
+    for flag, key in (shorthands or {}).items():
+        if getattr(args, flag) is not None:
+            overrides += [f"--{key}", getattr(args, flag)]
+    return args, load_config(config_type, args.config, overrides)
+
+
+# Progress ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Training state besides the model, optimizer and scheduler; saved in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # training wall time summed over all sessions
+    heldout_loss: float | None = None  # pretraining: the most recent held-out loss
+    untrained: dict | None = None  # heads: held-out figures of the untrained heads, measured once
+    trained: dict | None = None  # heads: the most recent held-out figures
+    tracker_run_id: str | None = None  # heads: the W&B run that a resumed session continues
+    commands: list[str] = field(default_factory=list)  # the command of every session
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__init__(**state)
+
+
+# Optimizer and schedule --------------------------------------------------------------------------
+
+
+def make_optimizer(model: torch.nn.Module, config) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, with weight decay on matrices only (not norms or biases)."""
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    others = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": config.weight_decay}, {"params": others, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def learning_rate_factor(step: int, config) -> float:
+    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `max_steps`."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
+    """`learning_rate_factor` per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, config))
+
+
+# Checkpoints -------------------------------------------------------------------------------------
+
+CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (unfinished ones are temporary folders with another name)."""
+    if not directory.is_dir():
+        return []
+    found = [path for path in directory.iterdir() if CHECKPOINT_NAME.fullmatch(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
+
+
+def checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
+    """The last complete checkpoint in `run_dir` when `resume`; a run folder that has checkpoints is refused
+    without --resume (a new run would mix with the old one)."""
+    checkpoints = complete_checkpoints(run_dir / "checkpoints")
+    if checkpoints and not resume:
+        raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume or choose another output_dir")
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
+    """`save_state` into a temporary folder, renamed to step_<step> once every process has written its part
+    (each writes its own random states), so a run killed at any moment leaves only complete checkpoints.
+    `config` (either script's) has `output_dir` and `train.keep_checkpoints`; it is saved alongside."""
+    directory = Path(config.output_dir) / "checkpoints"
+    final = directory / f"step_{step:06d}"
+    partial = directory / f"partial_step_{step:06d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()  # every process writes its own random states into the folder
+    if accelerator.is_main_process:
+        save_config(config, partial / "config.yaml")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in complete_checkpoints(directory)[: -config.train.keep_checkpoints]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progress: Progress) -> None:
+    """Load a checkpoint (the registered `progress` included), say which config values changed since, and drop
+    what the interrupted session left after it: unfinished checkpoints and later metrics."""
+    accelerator.load_state(str(checkpoint))
+    changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
+    accelerator.print(
+        f"resumed from {checkpoint} at step {progress.step}"
+        + (f"; config changed since: {', '.join(changed)}" if changed else "")
+    )
+    if accelerator.is_main_process:
+        for stale in (Path(config.output_dir) / "checkpoints").glob("partial_step_*"):
+            shutil.rmtree(stale)
+        truncate_metrics(Path(config.output_dir) / "metrics.jsonl", progress.step)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics logged after `step` (and any half-written line) before re-running those steps."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+# Launch ------------------------------------------------------------------------------------------
+
+
+def resolve_mixed_precision(setting: str) -> str:
+    """`auto`: bf16 where the GPU or CPU has it, fp16 on other GPUs, else no; any other setting as given."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    cpu_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    cpu_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bf16" if cpu_bf16 or cpu_amx else "no"
+
+
+def launch_command() -> str:
+    """The command that started this process: the `accelerate launch` parent if there is one."""
+    try:
+        parent = [part.decode() for part in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if part]
+    except OSError:  # not Linux
+        parent = []
+    if "launch" in parent and any(Path(part).name == "accelerate" for part in parent):
+        return shlex.join(["accelerate", *parent[parent.index("launch") :]])
+    return shlex.join(["python", *sys.argv])
+
+
+def check_process_count(accelerator: Accelerator) -> None:
+    """Refuse to run with another process count than `accelerate launch --num_processes` asked for.
+
+    accelerate 1.15 starts `--cpu --num_processes N` as one plain process (multi-process CPU runs go
+    through mpirun, `--mpirun_hostfile`, only), with no warning."""
+    words = shlex.split(launch_command())
+    asked = next((w.split("=", 1)[1] for w in words if w.startswith("--num_processes=")), None)
+    if "--num_processes" in words and words.index("--num_processes") + 1 < len(words):
+        asked = words[words.index("--num_processes") + 1]
+    if asked is not None and asked.isdigit() and int(asked) != accelerator.num_processes:
+        raise SystemExit(
+            f"accelerate launch asked for {asked} processes but started {accelerator.num_processes}. With --cpu, "
+            "accelerate starts several processes only through mpirun (--mpirun_hostfile); on a machine without "
+            f"GPUs use `accelerate launch --multi_gpu --num_processes {asked}` (gloo) or torchrun instead."
+        )
