@@ -1,5 +1,5 @@
-"""Half-precision greedy comparison: a divergence counts as a tie only where the reference's best two
-scores are within one rounding step of the model's dtype and the output took one of them."""
+"""Half-precision greedy comparison: a divergence counts as a tie only where the output took a token whose
+reference score is within TIE_STEPS rounding steps of the model's dtype of the best."""
 
 from __future__ import annotations
 
@@ -43,3 +43,11 @@ def test_a_divergence_at_a_tie_is_a_tie_and_any_other_is_not():
     wrong[0, 6] = min(set(range(3, 20)) - pair)  # a token far from the best score
     assert compare_greedy(model, prompt, reference, wrong) is False
     assert compare_greedy(model.float(), prompt, reference, other) is False  # float32: no tie rule
+
+
+def test_gap_shifts_measure_each_new_position():
+    from selfspec.ties import gap_shifts
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    shifts = gap_shifts(model, random_prompt(7), max_new_tokens=6)
+    assert len(shifts) == 6 and all(shift >= 0 for shift in shifts)
