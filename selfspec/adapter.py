@@ -20,21 +20,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-# model_type -> (decoder stack attribute on the causal LM, layer list attribute, final norm attribute)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
-    "llama": ("model", "layers", "norm"),
-    "qwen2": ("model", "layers", "norm"),
-    "mistral": ("model", "layers", "norm"),
-    "phi3": ("model", "layers", "norm"),
-    "gemma": ("model", "layers", "norm"),
-    "gemma2": ("model", "layers", "norm"),
-    "gpt2": ("transformer", "h", "ln_f"),
-    "gpt_neox": ("gpt_neox", "layers", "final_layer_norm"),
-}
-
-
-# families whose forward takes a {layer type: 4D mask} dict, needed when full and sliding layers mix
-MIXED_MASK_MODELS = {"qwen2", "gemma2"}
+from .families import MIXED_MASK_MODELS, SUPPORTED_ARCHITECTURES, unsupported_message
 
 
 class UnsupportedModelError(ValueError):
@@ -131,6 +117,19 @@ class ModelFingerprint:
         return dict(self.__dict__)
 
 
+def _longrope_switch(config) -> int | None:
+    """The position past which longrope moves every position of a forward to its long frequencies (None: no
+    longrope). Rope parameters may be one dict or one per layer type (Gemma 3)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = bool(rope) and all(isinstance(value, dict) for value in rope.values())
+    switches = [
+        settings["original_max_position_embeddings"]
+        for settings in (rope.values() if per_type else [rope])
+        if settings.get("rope_type") == "longrope"
+    ]
+    return min(switches) if switches else None
+
+
 class ModelAdapter:
     """Drives the decoder stack of a supported Hugging Face causal LM, layer range by layer range."""
 
@@ -146,32 +145,31 @@ class ModelAdapter:
                 "selfspec needs a decoder-only causal LM."
             )
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"Architecture {model_type!r} ({type(self.model).__name__}) is not supported; supported model types: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
-            )
+            raise UnsupportedModelError(unsupported_message(model_type, type(self.model).__name__))
         if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
             )
-        stack_name, layers_name, norm_name = SUPPORTED_ARCHITECTURES[model_type]
-        stack = getattr(self.model, stack_name, None)
+        family = SUPPORTED_ARCHITECTURES[model_type]
+        stack = getattr(self.model, family.stack, None)
         if stack is None:
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} has no decoder stack `.{stack_name}`: load it with AutoModelForCausalLM."
+                f"{type(self.model).__name__} has no decoder stack `.{family.stack}`: "
+                "load it with AutoModelForCausalLM."
             )
         self.config = config
         self.model_type = model_type
-        self.layers: nn.ModuleList = getattr(stack, layers_name)
-        self.final_norm: nn.Module = getattr(stack, norm_name)
+        self.layers: nn.ModuleList = getattr(stack, family.layers)
+        self.final_norm: nn.Module = getattr(stack, family.norm)
         self.lm_head: nn.Module = self.model.get_output_embeddings()
         self.num_layers = len(self.layers)
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        # longrope switches every position of a forward to long frequencies once one position passes this
-        self.rope_switch = rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
+        # what the causal LM divides (Granite) or multiplies (Cohere2) its LM head's output by, before any capping
+        self.logit_divisor = getattr(config, family.divide_logits_by) if family.divide_logits_by else None
+        self.logit_scale = getattr(config, family.multiply_logits_by) if family.multiply_logits_by else None
+        self.rope_switch = _longrope_switch(config)
         parameters = inspect.signature(self.model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; earlier 5.x silently swallows `cache=`.
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
@@ -385,14 +383,14 @@ class ModelAdapter:
                     layer.forward = previous
 
     def head_logits(self, hidden: torch.Tensor, vocab: DraftVocabulary | None = None, lora=None) -> torch.Tensor:
-        """The model's own final norm and LM head (with its logit soft-capping) on `hidden`."""
+        """The model's own final norm and LM head (with its logit scaling and soft-capping) on `hidden`."""
         return self.lm_logits(self.final_norm(hidden), vocab=vocab, lora=lora)
 
     def lm_logits(
         self, normed: torch.Tensor, lm_head: nn.Module | None = None, vocab: DraftVocabulary | None = None, lora=None
     ) -> torch.Tensor:
-        """The LM head (the model's own unless another is given) and the model's soft-capping; with a draft
-        `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf; with a draft
+        """The LM head (the model's own unless another is given), the model's logit scaling and soft-capping; with a
+        draft `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf; with a draft
         `lora` (`selfspec.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
         if lora is not None and lm_head is not None:
             raise ValueError("A draft LoRA adapts the model's own LM head, not a head's own.")
@@ -400,13 +398,18 @@ class ModelAdapter:
             logits = vocab.project(normed)
             if lora is not None:
                 logits = logits + lora.delta(normed, vocab.rows)
-            return vocab.spread(self._softcap(logits))
+            return vocab.spread(self._finish(logits))
         if vocab is not None:
             raise ValueError("A reduced draft vocabulary applies to the model's own LM head, not to a head's own.")
         logits = (lm_head or self.lm_head)(normed)
-        return self._softcap(logits + lora.delta(normed) if lora is not None else logits)
+        return self._finish(logits + lora.delta(normed) if lora is not None else logits)
 
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def _finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the causal LM does to its LM head's output, as it does it: scaling, then soft-capping."""
+        if self.logit_divisor is not None:
+            logits = logits / self.logit_divisor
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def draft_vocabulary(self, token_ids=None, quant: str | None = None) -> DraftVocabulary:

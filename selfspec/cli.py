@@ -24,6 +24,7 @@ from .demo import (
     set_threads,
     target_path,
 )
+from .families import REFUSED_ARCHITECTURES, SUPPORT_RULE
 
 
 def add_profile_parser(commands) -> None:
@@ -136,6 +137,15 @@ def bundled_heldout() -> str:
     return ",".join(files)
 
 
+def architectures_text() -> str:
+    """`selfspec architectures`: the supported model types, one a line, the refused ones and the rule."""
+    refused = [f"  {name}: {reason}" for name, reason in sorted(REFUSED_ARCHITECTURES.items())]
+    return "\n".join(
+        ["Supported model types:", *(f"  {name}" for name in sorted(SUPPORTED_ARCHITECTURES)), ""]
+        + ["Refused (known to break the rule):", *refused, "", SUPPORT_RULE]
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `selfspec` command line: one subcommand per task."""
     parser = argparse.ArgumentParser(prog="selfspec", description="Exact self-speculative decoding for causal LMs.")
@@ -144,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(commands)
     add_bench_parser(commands)
     add_tune_parser(commands)
-    commands.add_parser("architectures", help="list the supported model types")
+    commands.add_parser("architectures", help="list the supported model types and the rule that decides them")
     add_profile_parser(commands)
     return parser
 
@@ -152,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "architectures":
-        print("\n".join(sorted(SUPPORTED_ARCHITECTURES)))
+        print(architectures_text())
         return 0
     run = {"profile": run_profile, "demo": run_demo, "bench": run_bench_command, "tune": run_tune_command}
     try:

@@ -171,7 +171,8 @@ def state_digest(module: nn.Module) -> str:
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
         data = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        # flat first: a 0-dim tensor (Gemma 3's embed_scale buffer) cannot be viewed as bytes
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
 
 
@@ -238,6 +239,8 @@ def measure_costs(
         return lambda fresh_cache: adapter.forward(ids, positions, fresh_cache)
 
     ids, positions = after(1)
+    # timed as generation runs them: in the target's dtype (training keeps float32 heads on a half-precision target)
+    heads = copy.deepcopy(heads).to(dtype=adapter.dtype)
     timers = heads.cost_timers(adapter, ids, positions, hidden, vocab)  # {label: (call, drafts charged)}
     calls: dict[object, Callable[[object], object]] = {"step": full(1)}
     calls.update({label: call for label, (call, _) in timers.items()})

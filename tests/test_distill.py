@@ -170,6 +170,17 @@ def test_measure_costs_times_every_draft():
     assert set(medusa_costs.draft_s) == {"medusa_0", "medusa_1", "medusa_2"} and medusa_costs.verify_s == {}
 
 
+def test_measure_costs_on_a_half_precision_target_with_float32_heads():
+    """Training keeps the heads in float32 on a bfloat16 target; their costs are timed in the target's dtype,
+    and the heads being trained are left as they are."""
+    adapter = ModelAdapter(tiny_model("llama").to(torch.bfloat16))
+    tokens = torch.randint(3, 96, (1, 12))
+    for heads in (MedusaHeads(adapter.fingerprint(), 2), ExitHeads(adapter.fingerprint(), [1])):
+        costs = measure_costs(adapter, heads, tokens, repeats=1)
+        assert all(seconds > 0 for seconds in costs.draft_s.values())
+        assert all(p.dtype == torch.float32 for p in heads.parameters())
+
+
 def test_speedups_for_exit_depths_and_a_medusa_chain():
     heads = ExitHeads(tiny_fingerprint(), [1, 2])
     costs = Costs(step_s=1.0, draft_s={"exit_1": 0.1, "exit_2": 0.5})

@@ -10,19 +10,42 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Cohere2Config,
     Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
+    MinistralConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
+    Starcoder2Config,
 )
 
 SLIDING_WINDOW = 8  # small, so that generation runs past it
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "phi3", "gemma", "gemma2", "gpt2", "gpt_neox"]
+# families added later, covered together by tests/test_families.py (the modules above keep the first eight)
+NEW_ARCHITECTURES = [
+    "qwen3",
+    "olmo2",
+    "starcoder2",
+    "mixtral",
+    "qwen3_moe",
+    "ministral",
+    "smollm3",
+    "granite",
+    "cohere2",
+    "gemma3_text",
+]
 
 
 def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, hidden: int = 32, **extra):
@@ -62,6 +85,53 @@ def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, hidden: in
             num_attention_heads=4,
             max_position_embeddings=512,
             **common,
+        )
+    return _new_family_config(arch, llama_like, num_layers)
+
+
+def _new_family_config(arch: str, llama_like: dict, num_layers: int):
+    """Tiny configs of the families in NEW_ARCHITECTURES, each with what sets it apart switched on."""
+    alternating = ["sliding_attention", "full_attention"] * (num_layers // 2)
+    head_dim = llama_like["hidden_size"] // 4
+    if arch == "qwen3":  # q/k norms; lower layers full attention, upper layers sliding
+        return Qwen3Config(
+            use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=num_layers // 2, **llama_like
+        )
+    if arch == "olmo2":  # norms after attention and MLP, q/k norms
+        return Olmo2Config(**llama_like)
+    if arch == "starcoder2":  # LayerNorm with biases, sliding window
+        return Starcoder2Config(sliding_window=SLIDING_WINDOW, **llama_like)
+    if arch == "mixtral":  # top-2 of 4 experts per position, sliding window
+        return MixtralConfig(sliding_window=SLIDING_WINDOW, num_local_experts=4, num_experts_per_tok=2, **llama_like)
+    if arch == "qwen3_moe":  # layer 0 dense, the others top-2 of 4 experts
+        return Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0], **llama_like
+        )
+    if arch == "ministral":  # sliding and full layers alternate
+        return MinistralConfig(head_dim=head_dim, sliding_window=SLIDING_WINDOW, layer_types=alternating, **llama_like)
+    if arch == "smollm3":  # NoPE layers (1, 3) without rotary embeddings, those sliding
+        return SmolLM3Config(
+            no_rope_layers=[1, 0] * (num_layers // 2),
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            **llama_like,
+        )
+    if arch == "granite":  # every multiplier away from 1, logits divided by logits_scaling
+        return GraniteConfig(
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=2.5,
+            **llama_like,
+        )
+    if arch == "cohere2":  # parallel attention/MLP blocks, logits times logit_scale, NoPE full layers
+        return Cohere2Config(sliding_window=SLIDING_WINDOW, layer_types=alternating, logit_scale=0.5, **llama_like)
+    if arch == "gemma3_text":  # sliding and global layers, a rope base per layer type
+        return Gemma3TextConfig(
+            head_dim=head_dim,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+            **llama_like,
         )
     raise ValueError(arch)
 

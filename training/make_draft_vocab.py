@@ -1,0 +1,58 @@
+"""A draft vocabulary for a target from its own chat answers (the jsonl that training/make_chat_data.py writes).
+
+    python training/make_draft_vocab.py --data runs/smollm2-chat/train.jsonl \
+        --heldout runs/smollm2-chat/heldout.jsonl --out heads/smollm2-135m-instruct/draft_vocab.json
+
+The `--count` most frequent token ids of the assistant answers (the tokens drafts have to propose), plus the
+end-of-text id, as a sorted JSON list for `SelfSpeculative(draft_vocab=...)` (`selfspec.frequent_tokens`).
+Prints the share of held-out answer tokens the vocabulary covers: a draft outside it is never proposed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from selfspec.drafters import frequent_tokens
+from selfspec.targets import load_model
+
+COUNT = 8192  # draft vocabulary size (plus EOS)
+
+
+def answer_ids(path: Path, tokenizer) -> list[torch.Tensor]:
+    """Token ids of each row's assistant turn(s), EOS appended (the tokens the target generated)."""
+    ids = []
+    with path.open() as lines:
+        for line in lines:
+            row = json.loads(line)
+            for message in row["messages"]:
+                if message["role"] == "assistant":
+                    tokens = tokenizer(message["content"], add_special_tokens=False).input_ids
+                    ids.append(torch.tensor([*tokens, tokenizer.eos_token_id]))
+    if not ids:
+        raise ValueError(f"{path} has no assistant messages")
+    return ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="jsonl with chat messages: the vocabulary is counted here")
+    parser.add_argument("--heldout", help="jsonl with chat messages: the coverage is measured here")
+    parser.add_argument("--out", required=True, help="the JSON list to write")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="whose tokenizer")
+    parser.add_argument("--count", type=int, default=COUNT)
+    args = parser.parse_args()
+    _, tokenizer = load_model(args.target, dtype="bfloat16")  # only the tokenizer is used
+    ids = frequent_tokens(answer_ids(Path(args.data), tokenizer), args.count, always=[tokenizer.eos_token_id])
+    Path(args.out).write_text(json.dumps(ids.tolist()))
+    print(f"{len(ids)} ids -> {args.out}")
+    if args.heldout:
+        held = torch.cat(answer_ids(Path(args.heldout), tokenizer))
+        print(f"held-out answer tokens covered: {torch.isin(held, ids).float().mean().item():.4f} of {held.numel()}")
+
+
+if __name__ == "__main__":
+    main()
