@@ -151,7 +151,8 @@ def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
 
 
 def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
-    """model.generate, then selfspec with the trained heads (reduced-vocabulary drafts when given)."""
+    """model.generate, then selfspec with the trained heads (reduced-vocabulary drafts when given), n-gram
+    lookup, and lookup with the Medusa heads where it has no match."""
     exit_heads, medusa = heads.get(ExitHeads), heads.get(MedusaHeads)
     suffix = f", vocab {len(vocab)}" if vocab else ""
     contenders = [generate_contender(model, "model.generate", False, 1.0)]
@@ -165,6 +166,10 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
         for mode, tree in (("chain", []), ("tree", tree_for(medusa))):
             contenders.append(selfspec_contender(model, f"selfspec medusa {mode}{suffix}", False, 1.0,
                                                  heads=medusa, tree=tree, draft_vocab=vocab))  # fmt: skip
+    contenders.append(selfspec_contender(model, "selfspec ngram", False, 1.0, drafter="ngram"))
+    if medusa is not None:
+        contenders.append(selfspec_contender(model, f"selfspec hybrid ngram + medusa chain{suffix}", False, 1.0,
+                                             drafter="hybrid", heads=medusa, tree=[], draft_vocab=vocab))  # fmt: skip
     return contenders
 
 
