@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_families import batched_counts
 from test_medusa import medusa_heads
-from test_sampling_exactness import NEW_TOKENS, PROMPT, chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import NEW_TOKENS, PROMPT, SAMPLES, chi_square_pvalue, exact_law
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import padded_prompts, random_prompt, tiny_model
 
@@ -84,15 +85,26 @@ def test_user_drafter_greedy_matches_generate(arch):
 
 def test_user_drafter_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
     spec = SelfSpeculative(sampling_model, drafter=ShiftDrafter(4, seed=1), num_draft_tokens=2)
-    counts = sampled_counts(spec, temperature=0.8)
+    counts = batched_counts(spec, temperature=0.8)  # 25 rows per call: rows accept on their own
     assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) > 1e-3
 
 
 def test_ngram_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
     spec = SelfSpeculative(sampling_model, drafter="ngram", prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
-    counts = sampled_counts(spec)
+    counts = batched_counts(spec)
     assert chi_square_pvalue(counts, exact_law(sampling_model)) > 1e-3
-    assert counts.sum() == 2500 and NEW_TOKENS == 3 and PROMPT.shape[0] == 1
+    assert counts.sum() == SAMPLES and NEW_TOKENS == 3 and PROMPT.shape[0] == 1
+
+
+def test_sampling_test_tells_a_broken_rule(sampling_model, monkeypatch):  # noqa: F811
+    """The batched chi-square above can fail: resampling from p after a rejection (not from the residual)
+    distorts the law, and the test sees it."""
+    from selfspec import verify
+
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
+    spec = SelfSpeculative(sampling_model, drafter=ShiftDrafter(4, seed=1), num_draft_tokens=2)
+    counts = batched_counts(spec, temperature=0.8)
+    assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) < 1e-3
 
 
 @pytest.mark.parametrize("breakage,message", [
