@@ -102,7 +102,8 @@ class Drafter(ABC):
 
     Args:
         confidence: stop a chain early in an iteration once the drafted token's q is below this (every
-            row's, in a batch). Exact: the stop depends on the drafts alone. None drafts gamma tokens.
+            row's, in a batch); `draft_chain` applies it, a drafter that drafts otherwise reads
+            `self.confidence` itself. Exact: the stop depends on the drafts alone. None drafts gamma tokens.
     """
 
     hidden_layers: tuple[int | str, ...] = ()
