@@ -44,18 +44,21 @@ def rounding_step(value: float, dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def reference_scores(model: nn.Module, prompt: torch.Tensor, new_index: int, **generate_kwargs) -> torch.Tensor:
-    """The processed scores [V] behind the `new_index`-th new token of a greedy `model.generate` of `prompt` [1, n]."""
-    out = model.generate(
+def greedy_with_scores(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int):
+    """`model.generate`'s greedy output for `prompt` [1, n], with the processed scores of every new token."""
+    return model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_index + 1,
+        max_new_tokens=max_new_tokens,
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,
-        **generate_kwargs,
     )
-    return out.scores[new_index][0].float()
+
+
+def reference_scores(model: nn.Module, prompt: torch.Tensor, new_index: int) -> torch.Tensor:
+    """The processed scores [V] behind the `new_index`-th new token of a greedy `model.generate` of `prompt` [1, n]."""
+    return greedy_with_scores(model, prompt, new_index + 1).scores[new_index][0].float()
 
 
 def compare_greedy(model: nn.Module, prompt: torch.Tensor, reference: torch.Tensor, output: torch.Tensor):
@@ -77,14 +80,7 @@ def compare_greedy(model: nn.Module, prompt: torch.Tensor, reference: torch.Tens
 def gap_shifts(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> list[float]:
     """How far one pass over a whole greedy answer moves the top-2 gap of each new position against
     `generate`'s one-token steps, in rounding steps of the model's dtype (prompt [1, n])."""
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    out = greedy_with_scores(model, prompt, max_new_tokens)
     multi = model(out.sequences).logits[0, prompt.shape[1] - 1 : -1].float()  # [new, V]
     shifts = []
     for position, scores in enumerate(out.scores):
