@@ -37,7 +37,7 @@ step() {  # step SECONDS TITLE COMMAND...
   timeout "$limit" "$@" 2>&1 | tee -a "$log"
   echo "(exit ${PIPESTATUS[0]}, $((SECONDS - start)) s)" | tee -a "$log"
 }
-step 200 "tune" $S tune --model "$target" "${heads[@]}" --device "$DEVICE" --num_prompts 4
+step 200 "tune" $S tune --model "$target" "${heads[@]}" --device "$DEVICE" --num_prompts 4 --batch_sizes 1,4,16,64
 step 330 "bench, batch 1" $S bench --model "$target" "${heads[@]}" --device "$DEVICE" --repeats 1 --output "$OUT"
 step 120 "bench, batched" $S bench --model "$target" "${heads[@]}" --device "$DEVICE" --repeats 1 \
   --batch_sizes 1,4,16,64 --output "$OUT"

@@ -3,8 +3,9 @@
 from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from .drafter import FINAL, Draft, Drafter, DrafterContractError, Verified
 from .drafters import EarlyExitDrafter, MedusaDrafter, frequent_tokens
+from .eagle import EagleDrafter
 from .generation import UnsupportedGenerationArgument
-from .heads import DraftHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
+from .heads import DraftHeads, EagleHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
 from .ngram import NGramDrafter
 from .speculative import SelfSpeculative
 from .stats import GenerationStats
@@ -19,6 +20,8 @@ __all__ = [
     "DraftHeads",
     "Drafter",
     "DrafterContractError",
+    "EagleDrafter",
+    "EagleHeads",
     "EarlyExitDrafter",
     "ExitHead",
     "ExitHeads",

@@ -16,11 +16,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def position_cost_from(verify_cost: float, gamma: int) -> float:
-    """r from one measured v(gamma) at one row: solves v = (1 + r (gamma+1)) / (1 + r) (see `DraftController`)."""
+def position_cost_from(verify_cost: float, gamma: int, rows: int = 1) -> float:
+    """r from one measured v(gamma) at `rows` rows: solves v = (1 + r rows (gamma+1)) / (1 + r rows)
+    (see `DraftController`). v can only approach gamma+1 (every position costing a whole pass); a measured v
+    at or above it (a compute-bound batch, or timing noise) is read as that limit, a very large r."""
     if verify_cost <= 1.0:
         return 0.0
-    return (verify_cost - 1.0) / (gamma + 1 - verify_cost)
+    return (verify_cost - 1.0) / max(gamma + 1 - verify_cost, 1e-6) / rows
+
+
+PositionCost = float | dict[int, float]  # one r for every batch size, or r measured per batch size (rows -> r)
+
+
+def check_position_cost(value) -> PositionCost:
+    """A position cost as `SelfSpeculative(position_cost=)` and heads configs give it (a JSON object's keys are
+    strings), checked: a non-negative number, or a non-empty {rows: r} of them. Raises ValueError otherwise."""
+    if isinstance(value, dict) and value:
+        try:
+            costs = {int(rows): float(r) for rows, r in value.items()}
+        except (TypeError, ValueError):
+            costs = {}
+        if costs and all(rows >= 1 and r >= 0 for rows, r in costs.items()):
+            return dict(sorted(costs.items()))
+    elif isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise ValueError(
+        f"position_cost={value!r} must be a non-negative number, or a mapping from batch size to one "
+        "(as `selfspec tune --batch_sizes` writes it)."
+    )
+
+
+def position_cost_at(cost: PositionCost, rows: int) -> float:
+    """r for a batch of `rows`: the number itself, or interpolated linearly between the measured batch sizes
+    (the nearest one's outside them)."""
+    if not isinstance(cost, dict):
+        return cost
+    sizes = list(cost)
+    if rows <= sizes[0]:
+        return cost[sizes[0]]
+    for low, high in zip(sizes, sizes[1:], strict=False):
+        if rows <= high:
+            return cost[low] + (cost[high] - cost[low]) * (rows - low) / (high - low)
+    return cost[sizes[-1]]
 
 
 def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
@@ -38,7 +75,7 @@ class DraftController:
     max_drafts: int
     draft_cost: float  # c
     verify_cost: float = 1.0  # v at one row, for every gamma, when position_cost is 0
-    position_cost: float = 0.0  # r: what one more position adds to a pass, over a pass's fixed cost (see below)
+    position_cost: PositionCost = 0.0  # r: what one more position adds to a pass, over its fixed cost (see below)
     decay: float = 0.9  # weight of the past per iteration: about the last ten iterations count
     prior_alpha: float = 0.5  # what alpha is taken to be before any evidence ...
     prior_weight: float = 2.0  # ... worth this many tested positions
@@ -63,10 +100,12 @@ class DraftController:
     def verify_cost_at(self, gamma: int, rows: int) -> float:
         """v(gamma) for a batch of `rows`: with a pass costing t0 + r t0 N for N positions, a pass over
         rows x (gamma + 1) positions against a plain step over `rows`: (1 + r rows (gamma+1)) / (1 + r rows).
-        r = 0 (memory-bound decoding) gives `verify_cost` at every batch size."""
-        if self.position_cost == 0.0:
+        r = 0 (memory-bound decoding) gives `verify_cost` at every batch size. r may depend on the batch size
+        (measured per size by `selfspec tune`): where a device verifies a wide batch's positions almost for free,
+        the r fitted at one row (per-pass overhead, mostly) would starve drafting there."""
+        r = position_cost_at(self.position_cost, rows)
+        if r == 0.0:
             return self.verify_cost
-        r = self.position_cost
         return (1 + r * rows * (gamma + 1)) / (1 + r * rows)
 
     def expected_tokens(self, gamma: int) -> float:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .adaptive import predicted_speedup
-from .heads import ExitHeads, MedusaHeads
+from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
 from .stats import sum_stats
 from .ties import TIE, compare_greedy
@@ -110,12 +110,14 @@ def standard_contenders(
     draft_vocab: list[int] | None = None,
     untrained_exit_layer: int | None = None,
     prompt_lookup_num_tokens: int = 10,
+    eagle_heads: EagleHeads | None = None,
 ) -> list[Contender]:
     """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
     the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
     `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts; the
     Medusa chain and the middle trained depth once more with an int8 draft LM head; n-gram lookup alone
-    (transformers' prompt lookup settings) and hybrid with each kind of heads."""
+    (transformers' prompt lookup settings) and hybrid with each kind of heads; an EAGLE head's chain (with the
+    `draft_vocab` too), its hybrid with lookup and its sampling."""
     num_layers = model.config.get_text_config().num_hidden_layers
     exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
     exit_layer = untrained_exit_layer or exit_layer
@@ -177,6 +179,24 @@ def standard_contenders(
     elif sampling:
         field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} T={temperature}", True, temperature,
                                          heads=exit_heads, exit_layer=exit_layer))  # fmt: skip
+    if eagle_heads is not None:
+        field_ += eagle_contenders(model, eagle_heads, draft_vocab, temperature if sampling else None, lookup)
+    return field_
+
+
+def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
+    """An EAGLE head's chain (and with `draft_vocab`), its hybrid with n-gram lookup, and its sampling at
+    `temperature` (None: greedy only); adaptive gamma up to the heads' default."""
+    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    field_ = [selfspec_contender(model, "selfspec eagle", False, 1.0, heads=heads)]
+    if draft_vocab is not None:
+        field_.append(selfspec_contender(model, f"selfspec eagle{suffix}", False, 1.0, heads=heads,
+                                         draft_vocab=draft_vocab))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle{suffix}", False, 1.0, drafter="hybrid",
+                                     heads=heads, draft_vocab=draft_vocab, **lookup))  # fmt: skip
+    if temperature is not None:
+        field_.append(selfspec_contender(model, f"selfspec eagle T={temperature}{suffix}", True, temperature,
+                                         heads=heads, draft_vocab=draft_vocab))  # fmt: skip
     return field_
 
 

@@ -13,6 +13,10 @@ from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
 from .verify import acceptance_mass
 
+# greedy decoding adds one drafting iteration in this many to the alpha tally: its rule needs only argmaxes,
+# and alpha (a statistic nothing decides on) is what would make it build softmaxes over the vocabulary
+GREEDY_ALPHA_EVERY = 4
+
 
 @dataclass
 class Call:
@@ -31,6 +35,7 @@ class Call:
     done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
+    greedy_drafting: int = 0  # greedy iterations that verified drafts, for `alpha_due`
 
     @property
     def remaining(self) -> int:
@@ -46,6 +51,12 @@ class Call:
         row_processors = [self.setup.row_processors[row] for row in self.rows]
         return process_scores(row_processors, inputs, tokens, logits, offset)
 
+    def alpha_due(self) -> bool:
+        """Whether a greedy drafting iteration adds to the alpha tally: the first, then one in `GREEDY_ALPHA_EVERY`
+        (sampling adds every one: its rule builds p and q anyway)."""
+        self.greedy_drafting += 1
+        return (self.greedy_drafting - 1) % GREEDY_ALPHA_EVERY == 0
+
     def record_alpha(self, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
         p, q: [batch, G, V]."""
@@ -55,26 +66,27 @@ class Call:
 
     def commit(self, committed, num_accepted, scores, logits):
         """Append to each row `committed[b, :num_accepted[b] + 1]` ([batch, W]), cut at its first EOS, its
-        token budget and its first stopping criterion. Holds the iteration's one host synchronisation.
-        Returns per row: the accepted drafts, the tokens appended, and whether the row is done."""
+        token budget and its first stopping criterion. Holds the iteration's one host synchronisation: the
+        committed tokens come to the host with the counts, and EOS and budgets are found there (a few small
+        integers per row), not by a dozen device ops. Returns per row: the accepted drafts, the tokens
+        appended, and whether the row is done."""
         setup, state = self.setup, self.state
-        count = num_accepted + 1
-        eos_hit = torch.zeros_like(count)
-        if setup.eos_token_ids is not None:
-            in_reach = torch.arange(committed.shape[1], device=committed.device)[None, :] < count[:, None]
-            is_eos = torch.isin(committed, setup.eos_token_ids) & in_reach
-            eos_hit = is_eos.any(dim=1).long()
-            count = torch.where(eos_hit.bool(), is_eos.long().argmax(dim=1) + 1, count)
-        accepted, counts, eos_hits = torch.stack([num_accepted, count, eos_hit]).tolist()  # [3, batch] -> lists
-        kept, finished = [], []
-        for row, (count_b, eos_b) in enumerate(zip(counts, eos_hits, strict=True)):
+        rows = torch.cat([num_accepted[:, None], committed], dim=1).tolist()  # [batch, 1 + W] -> lists
+        accepted, kept, finished = [], [], []
+        for row, (num, *tokens) in enumerate(rows):
+            count = num + 1
+            eos = next((i + 1 for i, token in enumerate(tokens[:count]) if token in setup.eos_token_ids), None)
+            count = eos or count
             budget = setup.max_new_tokens - self.generated[row]
-            keep = min(count_b, budget)
-            prefix = state.sequences[row : row + 1, state.added_pad[row] :]
-            stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
+            keep = min(count, budget)
+            stop = None
+            if setup.stopping_criteria:
+                prefix = state.sequences[row : row + 1, state.added_pad[row] :]
+                stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
             keep = stop or keep
+            accepted.append(num)
             kept.append(keep)
-            finished.append(stop is not None or (bool(eos_b) and keep == count_b) or keep == budget)
+            finished.append(stop is not None or (eos is not None and keep == count) or keep == budget)
             self.generated[row] += keep
         state.append(committed, kept)
         if setup.config.output_scores:

@@ -120,6 +120,42 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_export_parser(commands) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write an EAGLE heads folder as a vLLM / SGLang EAGLE draft checkpoint (Llama targets)",
+        formatter_class=HelpFormatter,
+    )
+    export.add_argument("--model", required=True, help=f"the target: {TARGET_CHOICES}")
+    export.add_argument("--heads", required=True, help="a trained EAGLE heads folder for the model")
+    export.add_argument("--format", required=True, choices=["eagle", "eagle3"], help="EAGLE-1 or EAGLE-3 checkpoint")
+    export.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        help="the engine whose names and aux layer ids to write (required for eagle, and for eagle3 heads on "
+        "other layers than EAGLE's default)",
+    )
+    export.add_argument("--draft_vocab", help="eagle3: a JSON file of token ids the draft's LM head keeps")
+    export.add_argument("--dtype", default="auto", help="the weights' dtype: float32 | bfloat16 | float16 | auto")
+    export.add_argument("--output", required=True, help="the checkpoint folder to write")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`selfspec export`: load the model and its heads, write the checkpoint."""
+    from .adapter import ModelAdapter
+    from .export import export_eagle
+    from .heads import load_heads
+
+    model, _ = load_cli_model(args.model, args.dtype)
+    try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
+        heads = load_heads(args.heads, ModelAdapter(model))
+        export_eagle(heads, model, args.output, args.format, args.engine, args.draft_vocab)
+    except ValueError as error:
+        raise SystemExit(f"selfspec export: {error}") from error
+    print(f"{args.format} checkpoint for {args.engine or 'vLLM and SGLang'}: {args.output}")
+    return 0
+
+
 # modules the commands import beyond the inference install -> the extra that installs them
 EXTRAS = {"matplotlib": "demo", "tqdm": "demo", "yaml": "demo", "datasets": "train", "wandb": "train", "peft": "train"}
 
@@ -156,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_parser(commands)
     commands.add_parser("architectures", help="list the supported model types and the rule that decides them")
     add_profile_parser(commands)
+    add_export_parser(commands)
     return parser
 
 
@@ -164,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "architectures":
         print(architectures_text())
         return 0
-    run = {"profile": run_profile, "demo": run_demo, "bench": run_bench_command, "tune": run_tune_command}
+    run = {
+        "profile": run_profile,
+        "demo": run_demo,
+        "bench": run_bench_command,
+        "tune": run_tune_command,
+        "export": run_export,
+    }
     try:
         return run[args.command](args)
     except ModuleNotFoundError as error:  # a lean install (inference only) lacks what these commands import

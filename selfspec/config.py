@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .adapter import LAYOUTS
 from .heads import KINDS
 from .heads import default_exit_layers as default_exit_layers  # the `heads.exit_layers` default, re-exported
 from .lora import check_target
@@ -198,17 +199,21 @@ class DataConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: str = "exit"  # exit: one head per exit depth; medusa: heads on the last hidden state
+    kind: str = "exit"  # exit: one head per exit depth; medusa: heads on the last hidden state; eagle: EAGLE head
     exit_layers: list[int] | None = None  # exit depths (1..L-1); None: about L/6, L/4, L/3, L/2, 2L/3
     intermediate_size: int | None = None  # exit head MLP width; None: 2 x hidden_size
     num_heads: int = 4  # Medusa heads (head i predicts the token i+2 positions ahead)
     num_layers: int = 1  # residual blocks per Medusa head
     own_lm_head: bool = False  # Medusa heads with their own LM head (a copy of the target's) instead of the shared one
+    feature_layers: list[int] | None = None  # eagle: decoder layers whose outputs it fuses; None: the last hidden state
+    unroll: int = 3  # eagle: training steps per position, the head fed its own outputs (loss weight 0.8^step)
+    layout: str = "eagle"  # eagle: fc([token; feature]) into one decoder layer (EAGLE-1); eagle3: EAGLE-3's layer
     num_draft_tokens: int | None = None  # gamma recorded in the heads config; None: selfspec's default
 
     def __post_init__(self):
         _one_of("heads.kind", self.kind, tuple(KINDS))
-        _at_least("heads", self, 1, ("num_heads", "num_layers"))
+        _at_least("heads", self, 1, ("num_heads", "num_layers", "unroll"))
+        _one_of("heads.layout", self.layout, LAYOUTS)
         if self.exit_layers is not None and not self.exit_layers:
             raise ValueError("heads.exit_layers must list at least one depth (or be null for the default spread)")
 

@@ -19,6 +19,7 @@ from .adapter import read_token_ids
 from .bench import (
     COLUMNS,
     Contender,
+    eagle_contenders,
     generate_contender,
     markdown_table,
     plot_speedups,
@@ -28,7 +29,7 @@ from .bench import (
     tree_for,
     write_json,
 )
-from .heads import DraftHeads, ExitHeads, MedusaHeads, load_heads
+from .heads import DraftHeads, EagleHeads, ExitHeads, MedusaHeads, load_heads
 from .specbench import (
     ChatPrompt,
     categories_of,
@@ -100,7 +101,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
     where = f" (default: the bundled demo target, {BUNDLED})" if bundled else ""
     parser.add_argument("--model", required=not bundled, help=f"the target: {TARGET_CHOICES}{where}")
     parser.add_argument(
-        "--heads", action="append", help="a trained heads folder for the model (exit or Medusa); repeat for both"
+        "--heads",
+        action="append",
+        help="a trained heads folder for the model (exit, Medusa or EAGLE); repeat for several kinds",
     )
     parser.add_argument(
         "--prompts",
@@ -166,6 +169,9 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
         for mode, tree in (("chain", []), ("tree", tree_for(medusa))):
             contenders.append(selfspec_contender(model, f"selfspec medusa {mode}{suffix}", False, 1.0,
                                                  heads=medusa, tree=tree, draft_vocab=vocab))  # fmt: skip
+    eagle = heads.get(EagleHeads)
+    if eagle is not None:
+        contenders += eagle_contenders(model, eagle, vocab, None, {})
     contenders.append(selfspec_contender(model, "selfspec ngram", False, 1.0, drafter="ngram"))
     if medusa is not None:
         contenders.append(selfspec_contender(model, f"selfspec hybrid ngram + medusa chain{suffix}", False, 1.0,
@@ -273,6 +279,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         transformers_modes=not args.no_transformers,
         draft_vocab=vocab,
         untrained_exit_layer=args.untrained_exit_layer,
+        eagle_heads=heads.get(EagleHeads),
     )
     if args.only:
         wanted = [part.strip() for part in args.only.split(",") if part.strip()]
@@ -384,6 +391,9 @@ def add_tune_parser(commands) -> None:
     tune.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions of c and v (median)")
     tune.add_argument("--measure_grid", action="store_true", help="also time the candidates against model.generate")
     tune.add_argument("--dry_run", action="store_true", help="print the choice without writing it into the heads")
+    tune.add_argument("--batch_sizes", default="1",
+                      help="batch sizes to fit the position cost r at, comma-separated (e.g. 1,4,16,64: those you "
+                      "generate with); one r per size, interpolated between them")  # fmt: skip
 
 
 def run_tune_command(args: argparse.Namespace) -> int:
@@ -394,17 +404,20 @@ def run_tune_command(args: argparse.Namespace) -> int:
     if not heads:
         raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
+    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(","))
     paths = args.heads or default_heads(args.model or DEFAULT_TARGET)
     for path, draft_heads in zip(paths, heads.values(), strict=True):
         choices, position_cost = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
-                       args.timing_repeats, vocab)  # fmt: skip
+                       args.timing_repeats, vocab, batch_sizes)  # fmt: skip
         measured = (
             measure_grid(model, draft_heads, choices, inputs, args.max_new_tokens, vocab) if args.measure_grid else None
         )
         table = format_choices(choices, measured)
         best = choices[0]
         print(f"\n{path}:\n{table}\n\nchoice: {best.label}, predicted speedup {best.predicted:.2f}x")
-        print(f"position cost r = {position_cost:.3f} (v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows))")
+        per_size = position_cost if isinstance(position_cost, dict) else {1: position_cost}
+        costs = ", ".join(f"{r:.3f} at {rows} row(s)" for rows, r in per_size.items())
+        print(f"position cost r = {costs} (v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows))")
         if measured:
             top = max(measured.values())
             print(f"measured: the choice {measured[best.label]:.2f}x, the best candidate {top:.2f}x "

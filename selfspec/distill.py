@@ -92,6 +92,7 @@ class Draft:
     hidden: torch.Tensor  # [batch, positions, H] the head's input
     offset: int  # the teacher of the head's position t is the target's distribution at t + offset
     head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
+    weight: float = 1.0  # its share of the training loss (an EAGLE head weighs later unrolled steps less)
 
     def teacher(self, per_position: torch.Tensor) -> torch.Tensor:
         """The entries of a per-target-position tensor `[batch, T, ...]` that this draft is taught by."""
@@ -139,7 +140,7 @@ class DistillationObjective(nn.Module):
                 loss = self._cross_entropy(draft, draft.hidden, draft.teacher(p))
             if negative_entropy is not None:
                 loss = loss + draft.teacher(negative_entropy).mean()
-            losses.append(loss)
+            losses.append(draft.weight * loss)
         return torch.stack(losses)
 
 

@@ -41,6 +41,10 @@ class Family:
     mixed_masks: bool = False  # forward takes a {layer type: 4D mask} dict (full and sliding layers mix)
     divide_logits_by: str | None = None  # config attribute the causal LM divides its LM head's output by
     multiply_logits_by: str | None = None  # config attribute the causal LM multiplies its LM head's output by
+    # what the stack adds to the token embedding before layer 0 (an EAGLE head's token input reproduces it)
+    multiply_embeddings_by: str | None = None  # config attribute the stack multiplies the token embeddings by
+    position_table: str | None = None  # stack attribute of a learned position embedding added to them
+    input_norm: str | None = "input_layernorm"  # decoder layer attribute of its pre-attention norm (None: none)
 
 
 def _llama_like(**extra) -> Family:
@@ -54,16 +58,16 @@ SUPPORTED_ARCHITECTURES: dict[str, Family] = {
     "phi3": _llama_like(),
     "gemma": _llama_like(),
     "gemma2": _llama_like(mixed_masks=True),
-    "gpt2": Family("transformer", "h", "ln_f"),
+    "gpt2": Family("transformer", "h", "ln_f", position_table="wpe", input_norm="ln_1"),
     "gpt_neox": Family("gpt_neox", "layers", "final_layer_norm"),
     "qwen3": _llama_like(mixed_masks=True),
-    "olmo2": _llama_like(),
+    "olmo2": _llama_like(input_norm=None),  # norms after attention and MLP only
     "starcoder2": _llama_like(),
     "mixtral": _llama_like(),
     "qwen3_moe": _llama_like(),
     "ministral": _llama_like(mixed_masks=True),
     "smollm3": _llama_like(mixed_masks=True),
-    "granite": _llama_like(divide_logits_by="logits_scaling"),
+    "granite": _llama_like(divide_logits_by="logits_scaling", multiply_embeddings_by="embedding_multiplier"),
     "cohere2": _llama_like(mixed_masks=True, multiply_logits_by="logit_scale"),
     "gemma3_text": _llama_like(mixed_masks=True),
 }

@@ -12,8 +12,29 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+# processors that read each row's scores alone, never the input ids and never in place (exactly these classes, not
+# subclasses): a list of them processes every position of a pass in one call instead of one call per position
+ROW_WISE_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
 
 
 class UnsupportedGenerationArgument(ValueError):
@@ -73,7 +94,7 @@ class GenerationSetup:
     config: GenerationConfig
     do_sample: bool
     max_new_tokens: int
-    eos_token_ids: torch.Tensor | None  # [n] long on the model's device, or None
+    eos_token_ids: frozenset[int]  # empty when there is none
     pad_token_id: int | None
     processors: LogitsProcessorList
     row_processors: list[LogitsProcessorList]  # batches: one list per row, built for that row alone
@@ -154,7 +175,7 @@ def prepare_generation(
         config=config,
         do_sample=bool(config.do_sample),
         max_new_tokens=max_new_tokens,
-        eos_token_ids=None if eos is None else eos.reshape(-1).to(input_ids.device),
+        eos_token_ids=frozenset() if eos is None else frozenset(eos.reshape(-1).tolist()),
         pad_token_id=None if pad is None else int(pad),
         processors=processors,
         row_processors=row_processors,
@@ -162,6 +183,11 @@ def prepare_generation(
         attention_mask=attention_mask,
         streamer=call.get("streamer"),
     )
+
+
+def row_wise(processors: LogitsProcessorList) -> bool:
+    """Whether every processor in the list is one of `ROW_WISE_PROCESSORS`."""
+    return all(type(processor) in ROW_WISE_PROCESSORS for processor in processors)
 
 
 def process_scores(
@@ -177,11 +203,15 @@ def process_scores(
     (then `processors` is one list per row);
     tokens: [batch, G] drafted tokens that follow the prefix; logits: [batch, P, V] raw logits, position
     i coming after prefix + tokens[:, :offset + i]. Returns float32 scores [batch, P, V], each position
-    processed with its own input ids, as `model.generate` would process it.
+    processed with its own input ids, as `model.generate` would process it (when no processor reads input ids,
+    all positions at once).
     """
     logits = logits.float()
     if len(processors) == 0:
         return logits
+    first = processors if isinstance(prefix, torch.Tensor) else processors[0]  # the rows' lists hold the same kinds
+    if row_wise(first):
+        return first(tokens, logits.reshape(-1, logits.shape[-1])).reshape(logits.shape)
     if isinstance(prefix, torch.Tensor):
         rows, slices, lists = [prefix], [slice(None)], [processors]
     else:
@@ -204,6 +234,8 @@ def process_tree_scores(
     logits = logits.float()
     if len(processors) == 0:
         return logits
+    if row_wise(processors):
+        return processors(node_tokens, logits.reshape(-1, logits.shape[-1])).reshape(logits.shape)
     scores = []
     for node, path in enumerate(tree.prefixes):
         ids = torch.cat([prefix, node_tokens[:, [n - 1 for n in path]]], dim=1)
@@ -214,9 +246,7 @@ def process_tree_scores(
 def stopping_point(setup: GenerationSetup, prefix: torch.Tensor, new: torch.Tensor, scores: torch.Tensor) -> int | None:
     """How many of the tokens `new` [n] appended to one row's `prefix` [1, length] (without added padding) to
     keep when a stopping criterion fires among them, else None. scores: [>= n, V] the processed scores each
-    of those tokens was drawn from."""
-    if len(setup.stopping_criteria) == 0:
-        return None
+    of those tokens was drawn from. Only called when the setup has stopping criteria."""
     flags = [
         setup.stopping_criteria(torch.cat([prefix, new[None, : j + 1]], dim=1), scores[j : j + 1]).reshape(-1).any()
         for j in range(new.shape[0])

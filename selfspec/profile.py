@@ -185,8 +185,9 @@ def heads_card(
     commands = "\n".join(facts["commands"])
     return f"""# selfspec {heads.kind} heads for `{config.target.name_or_path}`
 
-{kind.capitalize()} trained by self-distillation on the frozen target: each draft learns KL(p || q) with p
-the target's own next-token distribution at temperature 1 (for Medusa head i, the target at position t+1+i).
+{kind[0].upper() + kind[1:]} trained by self-distillation on the frozen target: each draft learns KL(p || q) with
+p the target's own next-token distribution at temperature 1 (for Medusa head i, the target at position t+1+i;
+for EAGLE step i, drafting i+1 tokens after the last true feature, on the head's own fed-back outputs).
 
 - Target: `{fp.name_or_path}` ({fp.model_type}, {fp.num_hidden_layers} layers, hidden {fp.hidden_size}, vocab \
 {fp.vocab_size}){f", peft adapter `{config.target.adapter_path}`" if config.target.adapter_path else ""}; \

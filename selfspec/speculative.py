@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .adaptive import DraftController, choose_drafter
+from .adaptive import DraftController, check_position_cost, choose_drafter
 from .call import Call
 from .drafter import FINAL, Draft, Drafter, Verified, check_draft, pick, target_pass
 from .drafters import build_drafters
@@ -45,8 +45,8 @@ class SelfSpeculative:
             the drafter's (the heads' tuned setting, the number of Medusa heads, n-gram's
             `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. 0 decodes plainly through
             selfspec's own loop, one full pass per token and no drafts (a baseline for benchmarks).
-        heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads`) trained for this model; None uses
-            the model's own final norm and LM head as the exit head (no training needed).
+        heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads` / `EagleHeads`) trained for this model; None
+            uses the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
             chain even when the heads carry a tree.
@@ -67,7 +67,8 @@ class SelfSpeculative:
             probability is below this (every row's, in a batch). Default: off (always draft gamma).
         position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
             verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
-            verification is compute-bound. Default: the heads' setting (`selfspec tune` measures it), else 0.
+            verification is compute-bound; one number, or {batch size: r} measured per batch size (interpolated
+            between them). Default: the heads' setting (`selfspec tune` measures it), else 0.
         drafter: None drafts with the heads (or the untrained exit); "ngram" with n-gram prompt lookup alone
             (`selfspec.NGramDrafter`); "hybrid" with n-gram lookup where the text has a match and the heads
             otherwise (adaptive: whichever the speedup equation favours from the acceptance each has shown);
@@ -88,7 +89,7 @@ class SelfSpeculative:
         draft_vocab=None,
         draft_quant: str | None = None,
         draft_confidence: float | None = None,
-        position_cost: float | None = None,
+        position_cost: float | dict[int, float] | None = None,
         drafter: Drafter | list[Drafter] | str | None = None,
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
@@ -135,9 +136,7 @@ class SelfSpeculative:
             self.adaptive = False
             self.draft_limits = [0] * len(self.drafters)
         recorded = heads.position_cost if heads is not None else None
-        self.position_cost = position_cost if position_cost is not None else (recorded or 0.0)
-        if not self.position_cost >= 0:
-            raise ValueError(f"position_cost={position_cost!r} must be a non-negative number.")
+        self.position_cost = check_position_cost(position_cost if position_cost is not None else (recorded or 0.0))
         self.exit_layer = getattr(self.drafter, "exit_layer", None)
         self.num_draft_tokens = max(self.draft_limits)
         self.stats: GenerationStats | None = None
@@ -260,10 +259,15 @@ class SelfSpeculative:
             scores = call.process(drafts, logits)  # [batch, G+1, V]
             if gamma == 0:
                 verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
-            else:
+            elif setup.do_sample:
                 p, q = scores.softmax(dim=-1), draft.probabilities(vocab_size)
-                verdict = accept_sampling(p, q, drafts) if setup.do_sample else accept_greedy(scores, drafts)
+                verdict = accept_sampling(p, q, drafts)
                 call.record_alpha(p[:, :gamma], q, verdict.num_accepted)
+            else:  # argmaxes only; softmaxes for the alpha tally when it is due
+                verdict = accept_greedy(scores, drafts)
+                if call.alpha_due():
+                    p = scores[:, :gamma].softmax(dim=-1)
+                    call.record_alpha(p, draft.probabilities(vocab_size), verdict.num_accepted)
         kept = torch.arange(gamma + 1, device=drafts.device)[None, :].expand(state.batch_size, -1)
         self._hand_over(Verified(verdict.num_accepted, verdict.num_accepted, kept, hidden, False), index)
         call.drafted_by = index if gamma else None
@@ -281,7 +285,7 @@ class SelfSpeculative:
                 self.adapter, state, node_tokens, self.hidden_layers
             )  # [batch, N+1, V]
             scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
-            p = scores.softmax(dim=-1)
+            p = scores.softmax(dim=-1) if setup.do_sample else scores  # greedy reads argmaxes, as model.generate does
             verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
             root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
@@ -289,8 +293,9 @@ class SelfSpeculative:
             path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
             along = path[..., None].expand(-1, -1, scores.shape[-1])
             path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
-            q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
-            call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
+            if setup.do_sample or call.alpha_due():
+                q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
+                call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
         call.drafted_by = 0
         return self._advance(
@@ -416,7 +421,8 @@ class SelfSpeculative:
             active = [b for b, done in enumerate(finished) if not done]
             rows = torch.tensor(active, device=state.sequences.device)
             state.select_rows(rows)
-            self.drafter.select_rows(rows)
+            for part in self.drafters:  # each drafter drops the finished rows' state
+                part.select_rows(rows)
             call.rows = [call.rows[b] for b in active]
             call.generated = [call.generated[b] for b in active]
         return False

@@ -21,7 +21,9 @@ class GenerationStats:
     accepted: int = 0  # drafted tokens the verifier kept
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i+1
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts proposed at draft position i+1
-    alpha: float = float("nan")  # analytic acceptance rate: mean over tested positions of sum_x min(p, q)
+    # analytic acceptance rate: mean over tested positions of sum_x min(p, q); greedy tallies it on one drafting
+    # iteration in `call.GREEDY_ALPHA_EVERY` (its rule needs no softmax), sampling on every one
+    alpha: float = float("nan")
     drafted_by: dict[str, dict[str, int]] = field(
         default_factory=dict
     )  # drafter name -> iterations, proposed, accepted
@@ -96,20 +98,20 @@ class GenerationStats:
         self.row_passes += len(num_accepted)
         if gamma == 0:
             return
+        rows, accepted = len(num_accepted), sum(num_accepted)
         tally = self.drafted_by.setdefault(drafter or "draft", {"iterations": 0, "proposed": 0, "accepted": 0})
         tally["iterations"] += 1
-        tally["proposed"] += gamma * len(num_accepted)
-        tally["accepted"] += sum(num_accepted)
+        tally["proposed"] += gamma * rows
+        tally["accepted"] += accepted
+        self.proposed += gamma * rows
+        self.accepted += accepted
         grow = gamma - len(self.proposed_per_position)
         if grow > 0:
             self.proposed_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for accepted in num_accepted:
-            self.proposed += gamma
-            self.accepted += accepted
-            for position in range(gamma):
-                self.proposed_per_position[position] += 1
-                self.accepted_per_position[position] += int(position < accepted)
+        for position in range(gamma):
+            self.proposed_per_position[position] += rows
+            self.accepted_per_position[position] += sum(count > position for count in num_accepted)
 
 
 def sum_stats(runs: list[dict]) -> dict:

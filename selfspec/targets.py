@@ -25,7 +25,7 @@ import torch
 
 HEADS_ROOT = Path(__file__).resolve().parent.parent / "heads"  # bundled targets and heads (a clone of the repo)
 DEFAULT_TARGET = "demo"  # what the commands run on without --model
-HEADS_FOLDERS = ("exit-heads", "medusa-heads")  # a known target's default heads, in its folder, when present
+HEADS_FOLDERS = ("exit-heads", "medusa-heads", "eagle-head")  # a known target's default heads, when present
 
 
 class TargetError(RuntimeError):
@@ -62,7 +62,7 @@ class KnownTarget:
         return folder, {"gguf_file": self.gguf_file}
 
     def default_heads(self) -> list[str]:
-        """The trained heads bundled for this target (exit, then Medusa), those that exist."""
+        """The trained heads bundled for this target (exit, Medusa, EAGLE), those that exist."""
         return [str(self.folder / name) for name in HEADS_FOLDERS if (self.folder / name / "config.json").exists()]
 
 

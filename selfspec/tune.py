@@ -8,6 +8,10 @@ For each draft (an exit depth, or the Medusa heads) it measures
   positions over one plain step (`selfspec.distill.measure_costs`). An early-exit verify runs its lower k
   layers for one position only (their KV entries come from the draft), so its v is taken as
   1 + (L - k) / L (v(gamma) - 1): the extra positions cost in the upper layers alone;
+- r, the position cost of the batch-aware controller (`selfspec.adaptive.DraftController`), per batch size in
+  use: one full pass over rows x (gamma+1) positions against one over rows x 1, for gamma = 1..max_gamma, at
+  each of `batch_sizes` (a batch-1 fit measures mostly per-pass overhead, and would keep gamma near 0 at batch
+  sizes where a device verifies more positions almost for free);
 - for Medusa trees, the tokens per pass of each candidate tree and the time per pass, both measured in the
   decoding loop (a tree pass also builds its mask and compacts the cache), over the time per pass of the
   plain loop (gamma = 0) on the same prompts.
@@ -25,9 +29,9 @@ import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .adaptive import position_cost_from
+from .adaptive import PositionCost, position_cost_from
 from .bench import DEFAULT_TREE, cut_tree
-from .distill import measure_costs
+from .distill import _timed, measure_costs
 from .heads import DraftHeads
 from .speculative import SelfSpeculative
 from .stats import sum_stats
@@ -107,9 +111,10 @@ def tune(
     do_sample: bool = False,
     timing_repeats: int = 20,
     draft_vocab=None,
-) -> tuple[list[Choice], float]:
-    """Every candidate configuration with its predicted speedup, best first, and the position cost r fitted
-    to the measured v(gamma) (the median over gamma of r solving v = (1 + r (gamma+1)) / (1 + r); the
+    batch_sizes: tuple[int, ...] = (1,),
+) -> tuple[list[Choice], PositionCost]:
+    """Every candidate configuration with its predicted speedup, best first, and the position cost r: fitted
+    per batch size in `batch_sizes` ({rows: r}, see `fit_position_costs`), or one number when that is (1,) (the
     adaptive controller uses it to shrink gamma as the batch grows)."""
     adapter = ModelAdapter(model)
     settings = heads.draft_settings(adapter.num_layers, max_gamma)
@@ -140,11 +145,53 @@ def tune(
             tokens = stats["new_tokens"] / stats["row_passes"]
             cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
             choices.append(Choice(setting.name, setting.label, {}, len(tree), tree, tokens, cost, c, cost - depth * c))
-    position_cost = statistics.median(position_cost_from(costs.v(g), g) for g in range(1, longest + 1))
+    if tuple(batch_sizes) == (1,):
+        position_cost = statistics.median(position_cost_from(costs.v(g), g) for g in range(1, longest + 1))
+    else:
+        times = time_batched_passes(adapter, reference, batch_sizes, longest, timing_repeats)
+        position_cost = fit_position_costs(times)
     return sorted(choices, key=lambda choice: -choice.predicted), position_cost
 
 
-def apply_choice(heads: DraftHeads, choice: Choice, position_cost: float | None = None) -> None:
+def fit_position_costs(times: dict[tuple[int, int], float]) -> dict[int, float]:
+    """r per batch size from pass times {(rows, positions per row): seconds} that hold positions 1 and more
+    for each batch size: at `rows`, the median over gamma of the r that solves
+    v = t(rows, gamma+1) / t(rows, 1) = (1 + r rows (gamma+1)) / (1 + r rows)."""
+    fitted = {}
+    for rows in sorted({rows for rows, _ in times}):
+        step = times[rows, 1]
+        gammas = [positions - 1 for size, positions in times if size == rows and positions > 1]
+        fitted[rows] = statistics.median(position_cost_from(times[rows, g + 1] / step, g, rows) for g in gammas)
+    return fitted
+
+
+@torch.no_grad()
+def time_batched_passes(
+    adapter: ModelAdapter, tokens: torch.Tensor, batch_sizes, max_gamma: int, repeats: int
+) -> dict[tuple[int, int], float]:
+    """Median seconds of one full pass over rows x positions new tokens, positions = 1..max_gamma+1, after a
+    cached context of `tokens` [1, n] repeated over the rows; the passes are interleaved within each repetition
+    (after two warm-up rounds), and each is cropped off the cache again, so every pass sees the same context."""
+    context = tokens.shape[1] - max_gamma - 1
+    device = adapter.device
+    times: dict[tuple[int, int], list[float]] = {}
+    for rows in batch_sizes:
+        cache = adapter.new_cache()
+        ids = tokens.expand(rows, -1)
+        adapter.forward(ids[:, :context], torch.arange(context, device=device)[None].expand(rows, -1), cache,
+                        logits_to_keep=1)  # fmt: skip
+        for repeat in range(repeats + 2):
+            for positions in range(1, max_gamma + 2):
+                new = ids[:, context : context + positions]
+                where = torch.arange(context, context + positions, device=device)[None].expand(rows, -1)
+                seconds = _timed(lambda fresh, new=new, where=where: adapter.forward(new, where, fresh), cache, device)
+                if repeat >= 2:
+                    times.setdefault((rows, positions), []).append(seconds)
+                adapter.crop(cache, positions)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def apply_choice(heads: DraftHeads, choice: Choice, position_cost: PositionCost | None = None) -> None:
     """Make `choice` the heads' defaults (gamma, and the exit layer or the tree), with the position cost."""
     heads.num_draft_tokens = choice.gamma if choice.tree is None else None
     heads.position_cost = position_cost

@@ -93,7 +93,8 @@ class TreeVerdict(Verdict):
 
 def accept_tree(p: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
     """Tree verification (`tree` a `CandidateTree`). p: [batch, N+1, V] target probabilities at every
-    node (greedy needs only their argmax); node_tokens: [batch, N] candidate tokens of nodes 1..N.
+    node (greedy: the processed scores, whose argmax is all it reads); node_tokens: [batch, N] candidate
+    tokens of nodes 1..N.
 
     Walk from the root: the child whose token equals the target's token at its parent is accepted; the
     walk ends at a node none of whose children match, and that node's target token comes next. For

@@ -84,7 +84,7 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--heads.exit_layers", "[1, x]"], r"config key 'heads.exit_layers\[1\]' expects int, got 'x'"),
         (["--heads.exit_layers", "3"], "config key 'heads.exit_layers' expects list"),
         (["--train", "1"], "config key 'train' must be a mapping"),
-        (["--heads.kind", "eagle"], "heads.kind must be one of exit, medusa; got 'eagle'"),
+        (["--heads.kind", "hydra"], "heads.kind must be one of exit, medusa, eagle; got 'hydra'"),
         (["--train.batch_size", "0"], "train.batch_size must be at least 1, got 0"),
         (["--data.heldout_fraction", "1.5"], r"data.heldout_fraction must be in \(0, 1\), got 1.5"),
         (["--data.source", "' '"], "data.source must give file globs or hub:<data set name>"),

@@ -402,12 +402,12 @@ def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------- in-process training
 
 
-@pytest.mark.parametrize("kind", ["exit", "medusa"])
+@pytest.mark.parametrize("kind", ["exit", "medusa", "eagle"])
 def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch):
-    from selfspec.config import EvalConfig
+    from selfspec.config import EvalConfig, HeadsConfig
     from selfspec.data import row_tensor
     from selfspec.distill import DistillationObjective, target_pass
-    from selfspec.heads import MedusaHeads
+    from selfspec.heads import EagleHeads, MedusaHeads
     from selfspec.profile import format_table, profile_heads
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
@@ -420,8 +420,10 @@ def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, mo
     torch.manual_seed(0)
     if kind == "exit":
         heads = ExitHeads(adapter.fingerprint(), [1, 2, 3])
-    else:
+    elif kind == "medusa":
         heads = MedusaHeads(adapter.fingerprint(), num_heads=2)  # a third head (token t+4) barely learns here
+    else:  # every unrolled step: the drafts 1, 2 and 3 ahead
+        heads = EagleHeads.from_config(HeadsConfig(kind="eagle", layout="eagle3", feature_layers=[0, 1, 2]), adapter)
     objective = DistillationObjective(heads, adapter)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(0)
@@ -529,6 +531,24 @@ def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):
             prompt, max_new_tokens=20, do_sample=False, eos_token_id=None
         )
         assert torch.equal(out, expected), tree
+
+
+def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
+    from selfspec import EagleHeads
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
+    train_in_process(write_config(world, "eagle", **overrides, **{"train.max_steps": 6, "eval.every": 6}))
+    facts = summary(world, "eagle")
+    assert [row["draft"] for row in facts["rows"]] == ["eagle_0", "eagle_1"]
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    heads = load_heads(world["root"] / "eagle" / "heads", ModelAdapter(model))
+    assert isinstance(heads, EagleHeads) and heads.layout == "eagle3" and heads.feature_layers == [0, 2]
+    assert "EAGLE head" in (world["root"] / "eagle" / "heads" / "README.md").read_text()
+    prompt = torch.tensor([[VOCAB["w6"], VOCAB["w0"]]])
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = SelfSpeculative(model, heads=heads).generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, expected)
 
 
 def test_draft_lora_trains_with_the_heads_and_its_gain_goes_in_the_card(world, monkeypatch):

@@ -3,7 +3,8 @@
 `KINDS` is the one registry of head kinds; each kind's module holds everything about it (its layers, its
 drafter, and what training, `selfspec profile` and `selfspec tune` need: the methods of `DraftHeads`):
 - `early_exit.ExitHeads`: one residual block per exit depth before the target's own final norm and LM head;
-- `medusa.MedusaHeads`: heads on the last hidden state, head i proposing the token i+1 positions ahead.
+- `medusa.MedusaHeads`: heads on the last hidden state, head i proposing the token i+1 positions ahead;
+- `eagle.EagleHeads`: one decoder layer drafting autoregressively on the target's features (EAGLE).
 A new kind is a module with a `DraftHeads` subclass, its entry in `KINDS`, and its settings in
 `selfspec.config.HeadsConfig`.
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from ..adapter import ModelAdapter
 from .base import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, DraftHeads, DraftSetting, HeadsMismatchError
+from .eagle import EagleHeads
 from .early_exit import ExitHead, ExitHeads, default_exit_layers
 from .medusa import MedusaHeads, ResidualBlock
 
@@ -31,6 +33,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "DraftSetting",
     "DraftHeads",
+    "EagleHeads",
     "ExitHead",
     "ExitHeads",
     "HeadsMismatchError",
@@ -41,7 +44,7 @@ __all__ = [
     "load_heads",
 ]
 
-KINDS: dict[str, type[DraftHeads]] = {ExitHeads.kind: ExitHeads, MedusaHeads.kind: MedusaHeads}
+KINDS: dict[str, type[DraftHeads]] = {kind.kind: kind for kind in (ExitHeads, MedusaHeads, EagleHeads)}
 
 
 def check_fingerprint(recorded: dict, adapter: ModelAdapter, path: str | os.PathLike) -> None:

@@ -150,22 +150,26 @@ class DraftHeads(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike, card: str | None = None) -> None:
         """Write config, weights and card atomically: a crash leaves the old folder or the new one."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        (staging / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt", "kind": self.kind})
-        (staging / CARD_NAME).write_text(
-            card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
-        )
-        if path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, retired / path.name)
-            os.replace(staging, path)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, path)
+        state = {name: tensor.detach() for name, tensor in self.state_dict().items()}
+        card = card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
+        write_folder(Path(path), self.config_dict(), state, card, {"format": "pt", "kind": self.kind})
+
+
+def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], card: str, metadata: dict) -> None:
+    """config.json, model.safetensors (with `metadata`) and README.md into a staging folder renamed to `path`:
+    a crash leaves the old folder or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
+    (staging / CARD_NAME).write_text(card)
+    if path.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+        os.replace(path, retired / path.name)
+        os.replace(staging, path)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, path)
 
 
 def on_target(hidden: torch.Tensor, adapter: ModelAdapter) -> torch.Tensor:

@@ -1,0 +1,306 @@
+"""Where one decoding iteration's time goes: a host timer per section of the loop, and torch's op view.
+
+    python -m selfspec.loop_profile --model demo --modes plain,medusa,exit,tree,ngram --gamma 3
+    python -m selfspec.loop_profile --model demo --modes plain,medusa,exit --before fbc8173   # against a git ref
+
+Each mode runs with a fixed gamma (no adaptive drafting), so that every iteration has the same shape. The
+loop's functions are wrapped for the run (nothing in the library is instrumented): the time inside each is
+charged to its section, less the time of the sections it calls, so the sections of an iteration add up to
+the iteration. What the loop does between the wrapped calls (softmaxes, index tensors) is "loop (rest)".
+
+v = (iteration - draft) / plain iteration: what verifying gamma+1 positions costs, with everything the loop
+does around it (processing, acceptance, commit, cache), over one plain step of the same loop. v(forward) is
+the model pass alone over the plain step's pass: the part of v that the hardware sets.
+
+`--before REF` loads the package as it was at git commit REF (from `git archive`) next to the working tree's
+and runs both interleaved, prompt by prompt: the before/after figures come from one run, under one load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from .demo import HelpFormatter, add_model_arguments, encode, load_target
+
+ROOT = "iteration"
+DRAFT_SECTIONS = ("draft", "draft check", "choose drafter")
+# (module, owner or None for a module function, attribute, section); missing attributes are skipped, so that
+# older versions of the loop (--before) are timed by the same sections
+WRAPPED = [
+    ("speculative", "SelfSpeculative", "speculative_step", ROOT),
+    ("speculative", "SelfSpeculative", "tree_step", ROOT),
+    ("speculative", "SelfSpeculative", "_prefill", "prefill"),
+    ("speculative", "SelfSpeculative", "_choose_drafter", "choose drafter"),
+    ("speculative", None, "check_draft", "draft check"),
+    ("speculative", None, "target_pass", "verify forward"),
+    ("speculative", None, "process_scores", "processing"),
+    ("speculative", None, "process_tree_scores", "processing"),
+    ("call", "Call", "process", "processing"),
+    ("speculative", None, "accept_greedy", "acceptance"),
+    ("speculative", None, "accept_sampling", "acceptance"),
+    ("speculative", None, "accept_tree", "acceptance"),
+    ("speculative", None, "pick", "acceptance"),
+    ("drafter", "Draft", "probabilities", "acceptance"),
+    ("call", "Call", "record_alpha", "alpha tally"),
+    ("call", "Call", "commit", "commit"),
+    ("speculative", "SelfSpeculative", "_hand_over", "hand over"),
+    ("adapter", "ModelAdapter", "crop", "cache"),
+    ("adapter", "ModelAdapter", "rearrange", "cache"),
+    ("stats", "GenerationStats", "record_iteration", "stats"),
+    ("adaptive", "DraftController", "update", "stats"),
+]
+DRAFTER_METHODS = {"draft": "draft", "draft_tree": "draft", "verify": "verify forward", "verify_tree": "verify forward"}
+
+
+class SectionTimer:
+    """Exclusive wall time per section of each iteration; sections met between iterations (the drafter choice)
+    are charged to the next one, the prefill's to none."""
+
+    def __init__(self):
+        self.iterations: list[dict[str, float]] = []  # per iteration: section -> seconds
+        self._stack: list[list] = []  # [section, seconds spent in sections it called]
+        self._pending: dict[str, float] = defaultdict(float)
+        self.record = True
+
+    def wrap(self, function, section: str):
+        def timed(*args, **kwargs):
+            if self._stack and self._stack[-1][0] == section:  # a section calling its own kind: one section
+                return function(*args, **kwargs)
+            if section == ROOT:  # speculative_step(self, call, index, gamma); a tree step: "tree"
+                self._pending["gamma"] = args[3] if len(args) > 3 else "tree"
+            self._stack.append([section, 0.0])
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                _, inner = self._stack.pop()
+                if self._stack:
+                    self._stack[-1][1] += elapsed
+                self._charge(section, elapsed - inner)
+
+        return timed
+
+    def _charge(self, section: str, seconds: float) -> None:
+        if section == ROOT:
+            self._pending["loop (rest)"] += seconds
+            if self.record:
+                self.iterations.append(dict(self._pending))
+            self._pending.clear()
+        elif section != "prefill" and not any(frame[0] == "prefill" for frame in self._stack):
+            self._pending[section] += seconds
+
+    def generate(self, spec, prompt: torch.Tensor, **kwargs) -> None:
+        """One `spec.generate` call; its first iteration, which is charged the prefill's commit, is left out."""
+        first = len(self.iterations)
+        spec.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        del self.iterations[first : first + 1]
+
+
+@contextmanager
+def instrumented(package, spec, timer: SectionTimer):
+    """The loop of `package` (selfspec or an older copy) with its sections timed by `timer` while inside."""
+    with ExitStack() as stack:
+        targets = [(getattr(importlib.import_module(f"{package.__name__}.{module}"), owner) if owner else
+                    importlib.import_module(f"{package.__name__}.{module}"), name, section)
+                   for module, owner, name, section in WRAPPED]  # fmt: skip
+        targets += [(type(part), name, section) for part in spec.drafters for name, section in DRAFTER_METHODS.items()]
+        done = set()
+        for owner, name, section in targets:
+            if (id(owner), name) in done or name not in dir(owner):
+                continue
+            done.add((id(owner), name))
+            original = inspect.getattr_static(owner, name)
+            function = original.__func__ if isinstance(original, staticmethod) else original
+            wrapped = timer.wrap(function, section)
+            setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+            stack.callback(setattr, owner, name, original)
+        yield
+
+
+def load_package(ref: str | None):
+    """selfspec from the working tree (ref None), or as it was at git commit `ref`, imported as `selfspec_<ref>`."""
+    if ref is None:
+        return importlib.import_module("selfspec")
+    repository = Path(__file__).resolve().parent.parent
+    name = "selfspec_" + "".join(ch if ch.isalnum() else "_" for ch in ref)
+    root = Path(tempfile.mkdtemp(prefix="selfspec_before_"))
+    archive = subprocess.run(["git", "-C", str(repository), "archive", ref, "selfspec"], check=True,
+                             capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    (root / "selfspec").rename(root / name)
+    sys.path.insert(0, str(root))
+    return importlib.import_module(name)
+
+
+def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
+    """SelfSpeculative arguments of one mode, with `package`'s own heads objects."""
+    chain = {"num_draft_tokens": gamma, "adaptive": False}
+    if mode == "plain":
+        return {"num_draft_tokens": 0}
+    if mode == "ngram":
+        return {"drafter": "ngram", **chain}
+    if mode == "exit":
+        return {"heads": heads["exit"], **chain}
+    if mode == "medusa":
+        return {"heads": heads["medusa"], "tree": [], **chain}
+    if mode == "tree":
+        return {"heads": heads["medusa"], "tree": package.bench.tree_for(heads["medusa"])}
+    raise SystemExit(f"unknown mode {mode!r}: plain, medusa, exit, tree or ngram")
+
+
+def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object]]:
+    """(label, package, spec) per mode and package version."""
+    packages = [load_package(None)] + ([load_package(args.before)] if args.before else [])
+    runs = []
+    for package in packages:
+        importlib.import_module(f"{package.__name__}.bench")
+        adapter = package.adapter.ModelAdapter(model)
+        heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
+        for mode in args.modes.split(","):
+            label = mode if package.__name__ == "selfspec" else f"{mode} @{args.before}"
+            spec = package.SelfSpeculative(model, **mode_options(package, mode, heads, args.gamma))
+            runs.append((label, package, spec))
+    return runs
+
+
+def measure(runs, prompts, args) -> dict[str, SectionTimer]:
+    """Every run on every prompt, interleaved (the order rotating each repeat), the first pass a warm-up."""
+    timers = {label: SectionTimer() for label, _, _ in runs}
+    for repeat in range(args.repeats + 1):
+        for index, prompt in enumerate(prompts):
+            shift = (repeat * len(prompts) + index) % len(runs)
+            for label, package, spec in runs[shift:] + runs[:shift]:
+                timers[label].record = repeat > 0
+                with instrumented(package, spec, timers[label]):
+                    timers[label].generate(spec, prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+    return timers
+
+
+def summarize(timers: dict[str, SectionTimer]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """Mean microseconds per iteration and section, per run, over the iterations of the run's usual shape (the
+    token budget's last ones ask for fewer drafts, a tree's for a chain)."""
+    table = {}
+    for label, timer in timers.items():
+        if not timer.iterations:
+            continue
+        gamma = statistics.mode(it["gamma"] for it in timer.iterations)
+        full = [{k: v for k, v in it.items() if k != "gamma"} for it in timer.iterations if it["gamma"] == gamma]
+        sections = sorted({name for it in full for name in it})
+        table[label] = {name: 1e6 * statistics.fmean(it.get(name, 0.0) for it in full) for name in sections}
+        table[label]["total"] = sum(table[label].values())
+        table[label]["iterations"] = len(full)
+    names = sorted({name for row in table.values() for name in row} - {"total", "iterations"})
+    return names, table
+
+
+def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """v and v(forward) of every run against the plain run of the same package."""
+    out = {}
+    for label, row in table.items():
+        plain = table.get(label.replace(label.split(" @")[0], "plain", 1))
+        if plain is None or label.startswith("plain"):
+            continue
+        verify = row["total"] - sum(row.get(name, 0.0) for name in DRAFT_SECTIONS)
+        out[label] = {"v": verify / plain["total"], "v_forward": row["verify forward"] / plain["verify forward"]}
+    return out
+
+
+def print_tables(names, table, rates) -> None:
+    labels = list(table)
+    print("| section (us per iteration) | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for name in [*names, "total"]:
+        print(f"| {name} | " + " | ".join(f"{table[label].get(name, 0.0):.0f}" for label in labels) + " |")
+    print("| iterations timed | " + " | ".join(str(table[label]["iterations"]) for label in labels) + " |")
+    for key, what in (("v", "v (verify incl. loop work / plain iteration)"), ("v_forward", "v(forward)")):
+        values = [f"{rates[label][key]:.3f}" if label in rates else "-" for label in labels]
+        print(f"| {what} | " + " | ".join(values) + " |")
+
+
+def op_view(runs, prompt, args) -> None:
+    """torch.profiler's busiest ops per iteration (self CPU time) for each run, one generate call each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for label, _, spec in runs:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            spec.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.max_new_tokens,
+                          do_sample=args.do_sample)  # fmt: skip
+        iterations = max(spec.stats.iterations, 1)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.ops]
+        total = sum(e.self_cpu_time_total for e in prof.key_averages())
+        print(f"\n{label}: {iterations} iterations, {total / iterations:.0f} us self CPU per iteration (profiled)")
+        print("| op | calls per iteration | self CPU us per iteration |")
+        print("|---|---|---|")
+        for event in events:
+            print(f"| {event.key} | {event.count / iterations:.1f} | {event.self_cpu_time_total / iterations:.0f} |")
+
+
+def speed(model, runs, prompts, args) -> None:
+    """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved (`bench.run_bench`)."""
+    from .bench import Contender, generate_contender, run_bench
+
+    def runner(spec):
+        return lambda ids, new: spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                              do_sample=args.do_sample)  # fmt: skip
+
+    contenders = [generate_contender(model, "generate", args.do_sample, 1.0)]
+    contenders += [Contender(label, args.do_sample, runner(spec), spec=spec) for label, _, spec in runs]
+    rows = run_bench(contenders, prompts, args.max_new_tokens, repeats=args.speed_repeats, progress=False)
+    print(f"\nend to end, {args.speed_repeats} interleaved repeats (median tokens/s):\n")
+    print("| run | tokens/s | speedup over generate | greedy match | tokens/pass |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        per_pass = f"{row['tokens_per_pass']:.2f}" if row.get("tokens_per_pass") else "-"
+        cells = [row["contender"], f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.3f}x", row["matched"], per_pass]
+        print("| " + " | ".join(str(cell) for cell in cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_model_arguments(parser, bundled=True)
+    parser.set_defaults(max_new_tokens=64)
+    parser.add_argument("--modes", default="plain,medusa,exit,tree,ngram", help="plain, medusa, exit, tree, ngram")
+    parser.add_argument("--gamma", type=int, default=3, help="drafts per iteration of the chain modes")
+    parser.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (after a warm-up)")
+    parser.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
+    parser.add_argument("--before", help="also time the loop as it was at this git commit, interleaved")
+    parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's N busiest ops per mode")
+    parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
+    args = parser.parse_args(argv)
+    model, tokenizer, heads, prompt_texts, _ = load_target(args)
+    from .heads import ExitHeads, MedusaHeads
+    from .targets import default_heads
+
+    paths = args.heads or default_heads(args.model or "demo")
+    kinds = {ExitHeads: "exit", MedusaHeads: "medusa"}
+    heads_paths = {kinds[type(loaded)]: path for path, loaded in zip(paths, heads.values(), strict=True)}
+    prompts = encode(tokenizer, prompt_texts[: args.num_prompts], model.device)
+    runs = build_runs(args, model, heads_paths)
+    names, table = summarize(measure(runs, prompts, args))
+    mode = "sampling" if args.do_sample else "greedy"
+    print(f"\nmean over {args.num_prompts} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, "
+          f"gamma {args.gamma}, {mode}, {torch.get_num_threads()} thread(s)\n")  # fmt: skip
+    print_tables(names, table, ratios(table))
+    if args.ops:
+        op_view(runs, prompts[0], args)
+    if args.speed_repeats:
+        speed(model, runs, prompts, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

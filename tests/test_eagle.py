@@ -1,0 +1,192 @@
+"""EAGLE heads (selfspec/heads/eagle.py, selfspec/eagle.py): training computes what drafting computes, and
+drafting with them is exact on every family (greedy token-identical to `model.generate`, batch rows alone,
+sampling distributed as the target's law), alone and in a hybrid with n-gram lookup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batch import assert_rows_exact
+from test_families import batched_counts
+from test_sampling_exactness import VOCAB, chi_square_pvalue, exact_law
+from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_model
+from transformers import DynamicCache
+
+from selfspec import SelfSpeculative
+from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from selfspec.config import HeadsConfig
+from selfspec.distill import DistillationObjective, target_pass
+from selfspec.eagle import append_right_aligned
+from selfspec.heads import EagleHeads, HeadsMismatchError, load_heads
+
+
+def eagle_heads(model, seed: int = 0, **settings) -> EagleHeads:
+    torch.manual_seed(seed)
+    return EagleHeads.from_config(HeadsConfig(kind="eagle", **settings), ModelAdapter(model)).eval()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny Llama and an EAGLE head fitted to its greedy continuations of 32 prompts: drafts for those prompts
+    are often accepted, so the accept, rollback and ragged-batch paths all run."""
+    model = tiny_model("llama")
+    heads = eagle_heads(model, unroll=2)
+    prompts = torch.randint(3, 90, (32, 3), generator=torch.Generator().manual_seed(0))
+    data = model.generate(prompts, max_new_tokens=24, do_sample=False)
+    hidden_states, logits = target_pass(model, data)  # the target is frozen: one pass serves every step
+    objective = DistillationObjective(heads.train(), ModelAdapter(model))
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    for _ in range(40):
+        objective(hidden_states, logits).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, heads.eval(), prompts
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + NEW_ARCHITECTURES)
+def test_token_input_is_what_the_stack_feeds_layer_0(arch):
+    """Training reads hidden_states[0]; drafting computes `ModelAdapter.embed`: they must agree (GPT-2 adds
+    learned positions, Granite multiplies)."""
+    model = tiny_model(arch)
+    ids = random_prompt(9)
+    hidden_states, _ = target_pass(model, ids)
+    assert torch.equal(ModelAdapter(model).embed(ids, torch.arange(9)[None]), hidden_states[0])
+
+
+UNROLLED = [("llama", None, "eagle"), ("gpt2", None, "eagle"), ("gemma2", [0, 2], "eagle3"), ("qwen2", [1], "eagle3")]
+
+
+@pytest.mark.parametrize("arch,features,layout", UNROLLED)
+def test_unrolled_training_computes_what_drafting_computes(arch, features, layout):
+    """Step j of the unrolled training pass, at entry i, equals drafting step by step: the true entries up to
+    i - j in the head's cache, then j steps fed with the head's own outputs."""
+    model = tiny_model(arch)
+    heads = eagle_heads(model, feature_layers=features, unroll=3, layout=layout)
+    with torch.no_grad():  # norms away from ones, so that leaving one out would show
+        for name, parameter in heads.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(1))
+    hidden_states, _ = target_pass(model, ids)
+    with torch.no_grad():
+        drafts = heads.distillation_drafts(ModelAdapter(model), hidden_states)
+        features_ = heads.fused(heads._target_features(hidden_states)[:, :-1])
+        states = hidden_states[0][:, 1:]
+        for j, draft in enumerate(drafts):
+            assert draft.offset == j + 1 and draft.weight == pytest.approx(0.8**j)
+            for i in range(j, 11):
+                anchor, cache = i - j, DynamicCache()
+                positions = torch.arange(anchor + 1)[None].expand(2, -1)
+                out = heads.step(features_[:, : anchor + 1], states[:, : anchor + 1], positions, None, cache)[:, -1:]
+                for k in range(1, j + 1):
+                    index = anchor + k
+                    out = heads.step(out, states[:, index : index + 1], torch.full((2, 1), index), None, cache)
+                torch.testing.assert_close(out[:, 0], draft.hidden[:, i - j], rtol=1e-5, atol=1e-5)
+
+
+NO_JOINED_INPUT = {"gpt2": "no linear q/k/v", "olmo2": "no input norm", "cohere2": "feeds more than the attention"}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + NEW_ARCHITECTURES)
+def test_greedy_matches_generate_on_every_family(arch):
+    """Both layouts on every family (EAGLE-3's where its layer takes the joined input; the others are refused)."""
+    model = tiny_model(arch)
+    prompt = random_prompt(7, seed=2)
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    for layout, features in (("eagle", None), ("eagle3", [0, 1, 2])):
+        if layout == "eagle3" and arch in NO_JOINED_INPUT:
+            with pytest.raises(UnsupportedModelError, match=NO_JOINED_INPUT[arch]):
+                eagle_heads(model, layout=layout, feature_layers=features)
+            continue
+        spec = SelfSpeculative(
+            model, heads=eagle_heads(model, layout=layout, feature_layers=features), num_draft_tokens=3
+        )
+        assert torch.equal(spec.generate(prompt, max_new_tokens=20, do_sample=False), expected), layout
+        assert spec.stats.proposed > 0 and spec.stats.drafted_by["eagle"]["iterations"] > 0
+
+
+def test_trained_head_is_accepted_and_exact(trained):
+    model, heads, prompts = trained
+    accepted = 0
+    for row in range(4):
+        prompt = prompts[row : row + 1]
+        expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        for gamma in (1, 3, 5):
+            spec = SelfSpeculative(model, heads=heads, num_draft_tokens=gamma)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=24, do_sample=False), expected), (row, gamma)
+            accepted += spec.stats.accepted
+        adaptive = SelfSpeculative(model, heads=heads)
+        assert torch.equal(adaptive.generate(prompt, max_new_tokens=24, do_sample=False), expected)
+    assert accepted >= 20  # the head learned the continuations: rollback after partial acceptance ran
+
+
+def test_batch_rows_are_exact(trained):
+    model, heads, _ = trained
+    for lengths, gamma in (([3, 9], 2), ([1, 14, 6, 6], 4), ([5, 2, 11, 1, 8, 3, 7, 4], 3)):
+        assert_rows_exact(model, SelfSpeculative(model, heads=heads, num_draft_tokens=gamma), lengths)
+    # rows that accept different counts and rows that finish early (EOS) leave the batch
+    stats = assert_rows_exact(model, SelfSpeculative(model, heads=heads, num_draft_tokens=3), [4, 7, 2], eos_token_id=5)
+    assert stats.proposed > 0
+
+
+def test_hybrid_with_ngram_is_exact(trained):
+    model, heads, prompts = trained
+    prompt = torch.cat([prompts[0], prompts[0], prompts[1]])[None]  # repeats: n-gram lookup has matches
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    spec = SelfSpeculative(model, heads=heads, drafter="hybrid")
+    assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    used = {name for name, counts in spec.stats.drafted_by.items() if counts["iterations"]}
+    assert used == {"eagle", "ngram"}  # the head's backlog keeps up while n-gram lookup drafts
+
+
+def test_sampling_is_distributed_as_the_target():
+    """Batched sampling (25 rows accept on their own) from a 4-token model: the law of three tokens."""
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB, num_layers=3, hidden=16, logit_scale=20.0)
+    heads = eagle_heads(model, seed=1, layout="eagle3", feature_layers=[0, 1])
+    counts = batched_counts(SelfSpeculative(model, heads=heads, num_draft_tokens=2), temperature=0.8)
+    assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
+
+
+def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
+    model, heads, prompts = trained
+    heads.save_pretrained(tmp_path / "eagle")
+    loaded = load_heads(tmp_path / "eagle", ModelAdapter(model))
+    assert isinstance(loaded, EagleHeads) and loaded.unroll == 2 and loaded.features == heads.features
+    for name, tensor in heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    joined = eagle_heads(model, layout="eagle3", feature_layers=[0, 2])  # its norms live in the layer once
+    joined.save_pretrained(tmp_path / "eagle3")
+    again = load_heads(tmp_path / "eagle3", ModelAdapter(model))
+    assert again.layout == "eagle3" and again.state_dict().keys() == joined.state_dict().keys()
+    runs = []
+    for candidate in (heads, tmp_path / "eagle"):
+        spec = SelfSpeculative(model, heads=candidate, num_draft_tokens=3)
+        runs.append((spec.generate(prompts[:1], max_new_tokens=20, do_sample=False), spec.stats.accepted))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    other = tiny_model("qwen2")
+    with pytest.raises(HeadsMismatchError, match="model_type='llama'"):
+        load_heads(tmp_path / "eagle", ModelAdapter(other))
+
+
+def test_settings_errors_name_the_problem():
+    model = tiny_model("llama")  # 4 layers: features from layers 0..2; the last one is read as "final"
+    with pytest.raises(ValueError, match=r"feature_layers=\[3\] must list decoder layers 0..2"):
+        eagle_heads(model, feature_layers=[3])
+    heads = eagle_heads(model)
+    with pytest.raises(ValueError, match="exit_layer does not apply to an EAGLE head"):
+        SelfSpeculative(model, heads=heads, exit_layer=2)
+    with pytest.raises(ValueError, match="EAGLE head drafts chains"):
+        SelfSpeculative(model, heads=heads, tree=[[0], [1]])
+    with pytest.raises(ValueError, match="heads.unroll must be at least 1"):
+        HeadsConfig(kind="eagle", unroll=0)
+    with pytest.raises(ValueError, match="heads.layout must be one of eagle, eagle3"):
+        HeadsConfig(kind="eagle", layout="medusa")
+
+
+def test_append_right_aligned_keeps_each_rows_last_entries_in_order():
+    old = torch.tensor([[[1.0], [2.0], [3.0]], [[4.0], [5.0], [6.0]]])  # [2, 3, 1]
+    new = torch.tensor([[[7.0], [8.0]], [[9.0], [10.0]]])
+    joined, counts = append_right_aligned(old, torch.tensor([2, 0]), new, torch.tensor([1, 2]))
+    assert counts.tolist() == [3, 2]
+    assert joined[0, -3:, 0].tolist() == [2.0, 3.0, 7.0]
+    assert joined[1, -2:, 0].tolist() == [9.0, 10.0]

@@ -1,0 +1,248 @@
+"""Export of EAGLE heads for vLLM and SGLang (selfspec/export.py): every tensor name and shape and every config
+field the engines' loaders need (vLLM 0.33, SGLang 0.5.23), none they choke on, the refusals, and the round trip
+(a re-imported head drafts exactly as the exported one did)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import random_prompt, tiny_model
+from transformers import DynamicCache
+
+from selfspec import SelfSpeculative, frequent_tokens
+from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from selfspec.cli import main
+from selfspec.config import HeadsConfig
+from selfspec.export import export_eagle, load_export
+from selfspec.heads import EagleHeads, HeadsMismatchError
+from selfspec.lora import DraftLoRA
+
+H, V, LAYERS = 32, 96, 8  # tiny_model's hidden size and vocabulary; EAGLE's default layers at 8: [1, 3, 4]
+HEADS, KV_HEADS, HEAD_DIM, MLP = 4, 2, 8, 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=LAYERS)
+
+
+def eagle_head(model, layout="eagle3", feature_layers=(1, 3, 4), seed=0) -> EagleHeads:
+    """A head with random weights everywhere (norms away from ones), so that a swapped or dropped tensor shows."""
+    torch.manual_seed(seed)
+    layers = list(feature_layers) if feature_layers is not None else None
+    config = HeadsConfig(kind="eagle", layout=layout, feature_layers=layers, num_draft_tokens=3)
+    heads = EagleHeads.from_config(config, ModelAdapter(model))
+    with torch.no_grad():
+        for name, parameter in heads.named_parameters():
+            parameter.copy_(torch.rand_like(parameter) + 0.5 if "norm" in name else torch.randn_like(parameter) / 4)
+    return heads.eval()
+
+
+def layer_shapes(q_in: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, q_in),
+        "layers.0.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, q_in),
+        "layers.0.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, q_in),
+        "layers.0.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+        "layers.0.mlp.gate_proj.weight": (MLP, H),
+        "layers.0.mlp.up_proj.weight": (MLP, H),
+        "layers.0.mlp.down_proj.weight": (H, MLP),
+        "layers.0.post_attention_layernorm.weight": (H,),
+    }
+
+
+def written(path):
+    return json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
+
+
+def check_common_config(config: dict, model) -> None:
+    target = model.config
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert config[field] == getattr(target, field), field
+    assert config["hidden_act"] == "silu" and config["rms_norm_eps"] == target.rms_norm_eps
+    assert config["max_position_embeddings"] == 512 and config["vocab_size"] == V
+    assert config["rope_theta"] == target.rope_parameters["rope_theta"] and config["rope_scaling"] is None
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert config["tie_word_embeddings"] is False and config["attention_bias"] is False and not config["mlp_bias"]
+    assert "bias" not in config  # EAGLE's fc-bias flag turns on attention biases in both engines
+
+
+@pytest.mark.parametrize(
+    "engine,architecture", [("vllm", "EagleLlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")]
+)
+def test_eagle1_checkpoint(model, tmp_path, engine, architecture):
+    heads = eagle_head(model, "eagle", None)
+    export_eagle(heads, model, tmp_path / "out", "eagle", engine)
+    config, tensors = written(tmp_path / "out")
+    expected = {"fc.weight": (H, 2 * H), "fc.bias": (H,), **layer_shapes(H)}
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected  # nothing else: vLLM rejects extras
+    for absent in ("layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"):
+        assert absent not in tensors
+    assert torch.equal(tensors["fc.weight"], heads.fc.weight) and not tensors["fc.bias"].any()
+    layer = heads.body.base.layers[0]
+    assert torch.equal(tensors["layers.0.self_attn.q_proj.weight"], layer.self_attn.q_proj.weight)
+    assert torch.equal(tensors["layers.0.post_attention_layernorm.weight"], layer.post_attention_layernorm.weight)
+    assert config["architectures"] == [architecture] and "draft_vocab_size" not in config
+    check_common_config(config, model)
+    assert (
+        f"--speculative-{'config' if engine == 'vllm' else 'algorithm EAGLE'}"
+        in (tmp_path / "out/README.md").read_text()
+    )
+
+
+@pytest.mark.parametrize("vocab", [None, [2, 5, 7, 40, 95]])
+def test_eagle3_checkpoint(model, tmp_path, vocab):
+    heads = eagle_head(model)
+    export_eagle(heads, model, tmp_path / "out", draft_vocab=vocab)
+    config, tensors = written(tmp_path / "out")
+    size = len(vocab) if vocab else V
+    expected = {
+        "fc.weight": (H, 3 * H),
+        **layer_shapes(2 * H),
+        "layers.0.input_layernorm.weight": (H,),
+        "layers.0.hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (size, H),
+        **({"d2t": (size,)} if vocab else {}),  # vLLM rejects a d2t when the vocabularies agree
+    }
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
+    assert not any(name.startswith("model.") or "embed_tokens" in name for name in tensors)
+    joined = heads.body.joined
+    assert torch.equal(tensors["fc.weight"], heads.fuse.weight)
+    assert torch.equal(tensors["layers.0.input_layernorm.weight"], joined.embed_norm.weight)  # on the embeddings
+    assert torch.equal(tensors["layers.0.hidden_norm.weight"], joined.hidden_norm.weight)
+    assert torch.equal(tensors["norm.weight"], heads.body.norm.weight)
+    rows = model.lm_head.weight[vocab] if vocab else model.lm_head.weight
+    assert torch.equal(tensors["lm_head.weight"], rows)
+    if vocab:
+        assert tensors["d2t"].dtype == torch.int64
+        assert (tensors["d2t"] + torch.arange(size)).tolist() == vocab
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == size and "eagle_config" not in config  # default layers: no ids
+    check_common_config(config, model)
+
+
+@pytest.mark.parametrize("engine,ids", [("vllm", [1, 3, 6]), ("sglang", [0, 2, 5])])
+def test_eagle3_ids_follow_the_engines_convention(model, tmp_path, engine, ids):
+    heads = eagle_head(model, feature_layers=[0, 2, 5])
+    with pytest.raises(ValueError, match="engine"):
+        export_eagle(heads, model, tmp_path / "out")
+    export_eagle(heads, model, tmp_path / "out", engine=engine)
+    config, _ = written(tmp_path / "out")
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": ids}
+    assert f"{ids} in {engine}'s convention" in (tmp_path / "out/README.md").read_text()
+
+
+ROUND_TRIPS = [
+    ("eagle", None, "vllm", None),
+    ("eagle3", (1, 3, 4), None, None),
+    ("eagle3", (1, 3, 4), None, "frequent"),
+    ("eagle3", (0, 2, 5), "sglang", [3, 9, 17, 33, 50, 64, 80]),
+    ("eagle3", (2,), "vllm", None),  # one feature layer: fc is the identity
+]
+
+
+@pytest.mark.parametrize("layout,layers,engine,vocab", ROUND_TRIPS)
+def test_a_reimported_head_drafts_identically(model, tmp_path, layout, layers, engine, vocab):
+    heads = eagle_head(model, layout, layers)
+    prompt = random_prompt(6)
+    if vocab == "frequent":
+        vocab = frequent_tokens(model.generate(prompt, max_new_tokens=24, do_sample=False), 40)
+    export_eagle(heads, model, tmp_path / "out", layout, engine, vocab)
+    again, ids = load_export(tmp_path / "out", model)
+    assert again.features == heads.features and again.num_draft_tokens == 3
+    assert (ids is None) == (vocab is None) and (
+        vocab is None or ids.tolist() == sorted(set(torch.as_tensor(vocab).tolist()))
+    )
+    runs = []  # sampled with one seed: the accept-reject draws read q, so equal runs need equal drafts
+    for candidate, candidate_vocab in ((heads, vocab), (again, ids)):
+        spec = SelfSpeculative(model, heads=candidate, draft_vocab=candidate_vocab, num_draft_tokens=3)
+        torch.manual_seed(0)
+        runs.append((spec.generate(prompt, max_new_tokens=24, do_sample=True), spec.stats.accepted))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] > 0
+    adapter, width = ModelAdapter(model), len(heads.features) * H  # the draft logits themselves, bit for bit
+    features, states = torch.randn(1, 5, width), adapter.embed(prompt[:, 1:], torch.arange(1, 6)[None])
+    logits = [
+        h.logits(h.step(h.fused(features), states, torch.arange(5)[None], None, DynamicCache()), adapter, vocabulary)
+        for h, vocabulary in ((heads, adapter.draft_vocabulary(vocab) if vocab is not None else None),
+                              (again, adapter.draft_vocabulary(ids) if ids is not None else None))
+    ]  # fmt: skip
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_refusals(model, tmp_path):
+    out = tmp_path / "out"
+    eagle1, eagle3 = eagle_head(model, "eagle", None), eagle_head(model)
+    with pytest.raises(ValueError, match="layout 'eagle3'"):
+        export_eagle(eagle1, model, out, "eagle3")
+    with pytest.raises(ValueError, match="layout 'eagle'"):
+        export_eagle(eagle3, model, out, "eagle", "vllm")
+    with pytest.raises(ValueError, match="needs engine"):
+        export_eagle(eagle1, model, out, "eagle")
+    with pytest.raises(ValueError, match="no draft_vocab"):
+        export_eagle(eagle1, model, out, "eagle", "vllm", draft_vocab=[1, 2])
+    with pytest.raises(ValueError, match="last hidden state"):
+        export_eagle(eagle_head(model, "eagle", [1, 3]), model, out, "eagle", "vllm")
+    with pytest.raises(ValueError, match="no feature_layers"):
+        export_eagle(eagle_head(model, "eagle3", None), model, out)
+    with pytest.raises(ValueError, match="ascending"):
+        export_eagle(eagle_head(model, feature_layers=[3, 1, 4]), model, out, engine="vllm")
+    eagle3.draft_lora = DraftLoRA.from_settings(H, V, {"r": 2, "lora_alpha": 4})
+    with pytest.raises(ValueError, match="draft LoRA"):
+        export_eagle(eagle3, model, out)
+    with pytest.raises(HeadsMismatchError, match="trained for"):
+        export_eagle(eagle_head(tiny_model("llama", num_layers=6), "eagle", None), model, out, "eagle", "vllm")
+    qwen = tiny_model("qwen2", num_layers=6)
+    with pytest.raises(UnsupportedModelError, match="qwen2 is not defined"):
+        export_eagle(eagle_head(qwen, "eagle", None), qwen, out, "eagle", "vllm")
+    for field, value in (("final_logit_softcapping", 30.0), ("logit_scale", 2.0), ("attention_bias", True)):
+        target = tiny_model("llama", num_layers=LAYERS)
+        setattr(target.config, field, value)
+        with pytest.raises(UnsupportedModelError, match=field):
+            export_eagle(eagle_head(model, "eagle", None), target, out, "eagle", "vllm")
+    assert not out.exists()
+
+
+def test_load_export_refuses_what_our_head_cannot_hold(model, tmp_path):
+    out = tmp_path / "out"
+    export_eagle(eagle_head(model), model, out, draft_vocab=[2, 5, 7])
+    with pytest.raises(HeadsMismatchError, match="num_hidden_layers"):
+        load_export(out, tiny_model("llama", num_layers=6))
+    config, tensors = written(out)
+    save_file({**tensors, "lm_head.weight": tensors["lm_head.weight"] * 2}, out / "model.safetensors")
+    with pytest.raises(HeadsMismatchError, match="lm_head.weight is not the target's"):
+        load_export(out, model)
+    save_file({**tensors, "layers.0.self_attn.qkv_proj.weight": torch.zeros(2)}, out / "model.safetensors")
+    with pytest.raises(HeadsMismatchError, match="unexpected"):
+        load_export(out, model)
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(HeadsMismatchError, match="LlamaForCausalLM draft"):
+        load_export(out, model)
+
+
+def test_weights_are_in_the_targets_dtype(tmp_path):
+    target = tiny_model("llama", num_layers=LAYERS).to(torch.bfloat16)
+    export_eagle(eagle_head(target), target, tmp_path / "out", draft_vocab=[2, 5, 7])
+    config, tensors = written(tmp_path / "out")
+    assert config["torch_dtype"] == "bfloat16" and tensors["d2t"].dtype == torch.int64
+    assert all(t.dtype == torch.bfloat16 for name, t in tensors.items() if name != "d2t")
+
+
+def test_export_command_overwrites_atomically(model, tmp_path, monkeypatch):
+    import selfspec.cli as cli
+    import selfspec.heads
+
+    heads = eagle_head(model)  # an eagle3 head's folder does not save yet (its joined norms are shared tensors)
+    monkeypatch.setattr(cli, "load_cli_model", lambda name, dtype: (model, None))
+    monkeypatch.setattr(selfspec.heads, "load_heads", lambda path, adapter: heads)
+    command = ["export", "--model", "m", "--heads", "h", "--format", "eagle3", "--output", str(tmp_path / "out")]
+    for vocab in ([1, 2, 3], [4, 5]):
+        (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+        assert main([*command, "--draft_vocab", str(tmp_path / "vocab.json")]) == 0
+    assert load_file(tmp_path / "out/model.safetensors")["d2t"].tolist() == [4, 4]
+    with pytest.raises(SystemExit, match="selfspec export: format 'eagle' needs an EAGLE head of layout 'eagle'"):
+        main([*command[:5], "--format", "eagle", "--engine", "vllm", "--output", str(tmp_path / "eagle1")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "vocab.json"]  # no staging folders left
