@@ -184,14 +184,19 @@ def standard_contenders(
     return field_
 
 
+EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 4}  # a small dynamic tree: a CPU verifies few positions for free
+
+
 def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
-    """An EAGLE head's chain (and with `draft_vocab`), its hybrid with n-gram lookup, and its sampling at
-    `temperature` (None: greedy only); adaptive gamma up to the heads' default."""
+    """An EAGLE head's chain (and with `draft_vocab`), a small dynamic tree, its hybrid with n-gram lookup, and its
+    sampling at `temperature` (None: greedy only); chains with adaptive gamma up to the heads' default."""
     suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
     field_ = [selfspec_contender(model, "selfspec eagle", False, 1.0, heads=heads)]
     if draft_vocab is not None:
         field_.append(selfspec_contender(model, f"selfspec eagle{suffix}", False, 1.0, heads=heads,
                                          draft_vocab=draft_vocab))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec eagle tree{suffix}", False, 1.0, heads=heads,
+                                     draft_vocab=draft_vocab, tree=EAGLE_TREE))  # fmt: skip
     field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle{suffix}", False, 1.0, drafter="hybrid",
                                      heads=heads, draft_vocab=draft_vocab, **lookup))  # fmt: skip
     if temperature is not None:

@@ -95,8 +95,9 @@ class Drafter(ABC):
         max_drafts: the most tokens one `draft` call may return.
         default_drafts: gamma when `SelfSpeculative` is not given `num_draft_tokens` (with adaptive drafting,
             the most it drafts per iteration).
-        tree: a `CandidateTree` when the drafter proposes candidate trees instead of chains (Medusa);
-            such a drafter implements `draft_tree` and `verify_tree`.
+        tree: set when the drafter proposes candidate trees instead of chains: a `CandidateTree` (Medusa's
+            fixed shape) or any object whose `max_depth` bounds the trees it drafts (EAGLE's dynamic trees);
+            such a drafter implements `draft_tree`.
         check_drafts: check every draft's values (token range, q at the drafted token), one host sync per
             iteration; the built-in drafters turn it off. Shapes are always checked.
 
@@ -159,14 +160,20 @@ class Drafter(ABC):
     def select_rows(self, rows: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Only `rows` (a [k] long index into the current batch) keep generating: drop the others' state."""
 
-    def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tree drafters: candidate tokens [batch, N] of the tree's nodes, and the logits [batch, D, V] they
-        came from."""
+    def draft_tree(self, state: DecodeState):
+        """Tree drafters: (the tree, a `CandidateTree` with its nodes in order; candidate tokens [batch, N] of its
+        nodes 1..N; draft logits [batch, N+1, V] at the root and each node, those its children were chosen
+        from, zeros where it has none)."""
         raise NotImplementedError(f"{self.name} declares a tree but does not implement draft_tree")
 
-    def verify_tree(self, target, state: DecodeState, node_tokens: torch.Tensor, hidden_layers=()):
-        """Tree drafters: the target's (logits [batch, N+1, V], hidden by layer) at the root and every node."""
-        raise NotImplementedError(f"{self.name} declares a tree but does not implement verify_tree")
+    def verify_tree(self, target, state: DecodeState, tree, node_tokens: torch.Tensor, hidden_layers=()):
+        """Tree drafters: the target's (logits [batch, N+1, V], hidden by layer) at the root and every node of
+        `tree`, in one pass of the whole model with a tree mask."""
+        start = state.length - 1
+        tokens = torch.cat([state.sequences[:, -1:], node_tokens], dim=1)
+        positions = state.position_ids(start, 1) + tree.depth[None, :]  # [batch, N+1]
+        mask = target.tree_attention_mask(state.cache, start, tree, state.attention_mask(start))
+        return target_pass(target, state, tokens, hidden_layers, mask, positions)
 
 
 def target_pass(

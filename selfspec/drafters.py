@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter
-from .drafter import FINAL, Draft, Drafter, Processing, Verified, draft_chain, target_pass
+from .drafter import FINAL, Draft, Drafter, Processing, Verified, draft_chain
 from .lora import DraftLoRA
 from .ngram import NGramDrafter
 from .state import DecodeState
@@ -165,18 +165,13 @@ class MedusaDrafter(Drafter):
         proposals = self.heads.logits(self._hidden, self.adapter, gamma, self.vocab)  # [batch, G, V]
         return draft_chain(state, gamma, process, do_sample, lambda i, token: proposals[:, i], self.confidence)
 
-    def draft_tree(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidate tokens [batch, N] of the tree's nodes, and the logits [batch, D, V] of the D heads it uses."""
-        proposals = self.heads.logits(self._hidden, self.adapter, self.tree.max_depth, self.vocab)  # [batch, D, V]
-        return self.tree.node_tokens(proposals), proposals
-
-    def verify_tree(self, target, state: DecodeState, node_tokens: torch.Tensor, hidden_layers=()):
-        """Target logits [batch, N+1, V] of the root and every node, in one pass with a tree mask."""
-        start = state.length - 1
-        tokens = torch.cat([state.sequences[:, -1:], node_tokens], dim=1)
-        positions = state.position_ids(start, 1) + self.tree.depth[None, :]  # [batch, N+1]
-        mask = self.adapter.tree_attention_mask(state.cache, start, self.tree, state.attention_mask(start))
-        return target_pass(target, state, tokens, hidden_layers, mask, positions)
+    def draft_tree(self, state: DecodeState):
+        """The tree, its candidate tokens [batch, N] (node (d, r): head d's r-th best), and the logits [batch,
+        N+1, V] their children come from (a node at depth d: head d's; the deepest nodes: none)."""
+        tree = self.tree
+        proposals = self.heads.logits(self._hidden, self.adapter, tree.max_depth, self.vocab)  # [batch, D, V]
+        padded = torch.cat([proposals, torch.zeros_like(proposals[:, :1])], dim=1)
+        return tree, tree.node_tokens(proposals), padded[:, tree.depth]
 
     def accept(self, verified: Verified) -> None:
         """Keep the hidden state [batch, H] at the position (chain) or node (tree) that gave the new pending token."""
@@ -263,6 +258,6 @@ def model_drafter(adapter, heads, exit_layer, tree, vocab, confidence) -> Drafte
     if heads is not None:
         return heads.drafter(adapter, exit_layer, tree, vocab, confidence)
     if tree:
-        raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
+        raise ValueError("A candidate tree needs Medusa or EAGLE heads: early exit drafts a chain.")
     layer = exit_layer if exit_layer is not None else max(1, adapter.num_layers // 4)
     return EarlyExitDrafter(adapter, layer, vocab=vocab, confidence=confidence)

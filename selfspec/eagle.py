@@ -9,10 +9,17 @@ positions join the backlog. So each row's head sees what it saw in training.
 
 Batches: rows commit different counts, so the backlog is kept right-aligned with a count per row, and the
 cache's slots carry a validity flag per row; unused slots are masked, never removed. No host synchronisation.
+
+Dynamic trees (EAGLE-2, one prompt at a time): from the root, the `top_k` best tokens; then, depth by depth, the
+`top_k` frontier nodes with the highest cumulative draft log-probability run through the head together (each
+attends to its own ancestors' entries) and propose their `top_k` best children; finally the `nodes` best of all
+drafted nodes by cumulative log-probability (ancestors come first) make the tree that one pass verifies. The
+candidates are deterministic, so the tree rule keeps the output exact, greedy or sampled.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +29,7 @@ from .adapter import ModelAdapter
 from .drafter import Draft, Drafter, Processing, Verified, draft_chain
 from .drafters import draft_head_size
 from .state import DecodeState
+from .tree import CandidateTree
 
 if TYPE_CHECKING:
     from .heads.eagle import EagleHeads
@@ -39,14 +47,35 @@ def append_right_aligned(old, old_counts, new, new_counts):
     return torch.cat([old, new], dim=1).gather(1, index), counts
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """The shape of EAGLE-2's dynamic draft trees: `nodes` candidates verified in one pass (the budget), from
+    `top_k` children per expanded node and `top_k` expanded nodes per depth, at most `depth` deep."""
+
+    nodes: int = 8
+    top_k: int = 3
+    depth: int = 4
+
+    def __post_init__(self):
+        if not (self.nodes >= 1 and self.top_k >= 1 and self.depth >= 1):
+            raise ValueError(f"tree={self.__dict__}: nodes, top_k and depth must be at least 1.")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
 class EagleDrafter(Drafter):
     """Drafts with an EAGLE head: reads the target's features at `heads.features`, one head step per token."""
 
     check_drafts = False
 
-    def __init__(self, adapter: ModelAdapter, heads: EagleHeads, vocab=None, confidence: float | None = None):
+    def __init__(
+        self, adapter: ModelAdapter, heads: EagleHeads, vocab=None, confidence: float | None = None, tree=None
+    ):
         super().__init__(confidence)
         self.adapter, self.heads, self.vocab = adapter, heads, vocab
+        self.tree = tree  # a DynamicTree: draft trees instead of chains
         self.hidden_layers = heads.features
         self._cache = DynamicCache()
         self._valid = self._backlog = self._counts = self._outputs = None
@@ -100,17 +129,22 @@ class EagleDrafter(Drafter):
         self._valid = torch.cat([self._valid, new_valid], dim=1)
         return outputs[:, -1:]
 
+    def _run_backlog(self, state: DecodeState) -> torch.Tensor:
+        """The backlog through the head (true features only), ending with the pending token's entry: its output
+        [batch, 1, H]. The backlog is then empty."""
+        width = min(self._backlog.shape[1], state.length - 1)  # older slots can only be filler
+        backlog = self._backlog[:, -width:]
+        valid = torch.arange(width, device=backlog.device)[None, :] >= (width - self._counts)[:, None]
+        outputs = self._run(state, self.heads.fused(backlog), state.sequences[:, -width:], state.length - width, valid)
+        self._backlog, self._counts = backlog[:, :0], torch.zeros_like(self._counts)
+        return outputs
+
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         length = state.length
 
         def next_logits(i: int, token: torch.Tensor) -> torch.Tensor:
-            if i == 0:  # the backlog, ending with the pending token's entry: true features only
-                width = min(self._backlog.shape[1], length - 1)  # older slots can only be filler
-                backlog = self._backlog[:, -width:]
-                valid = torch.arange(width, device=backlog.device)[None, :] >= (width - self._counts)[:, None]
-                hidden = self.heads.fused(backlog)
-                self._outputs = self._run(state, hidden, state.sequences[:, -width:], length - width, valid)
-                self._backlog, self._counts = backlog[:, :0], torch.zeros_like(self._counts)
+            if i == 0:
+                self._outputs = self._run_backlog(state)
             else:  # the head's own output fed back, with the token drafted last
                 valid = torch.ones(state.batch_size, 1, dtype=torch.bool, device=token.device)
                 self._outputs = self._run(state, self._outputs, token, length - 1 + i, valid)
@@ -118,6 +152,73 @@ class EagleDrafter(Drafter):
             return self.heads.logits(self._outputs[:, 0], self.adapter, self.vocab)
 
         return draft_chain(state, gamma, process, do_sample, next_logits, self.confidence)
+
+    def draft_tree(self, state: DecodeState):
+        """A dynamic tree (see the module docstring) for one prompt: (the tree, node tokens [1, N], the draft
+        logits [1, N+1, V] at the root and each node, zeros at nodes that were not expanded)."""
+        shape, length = self.tree, state.length
+        root = self._run_backlog(state)
+        logits = {0: self.heads.logits(root[:, 0], self.adapter, self.vocab)[0]}  # node -> [V]
+        outputs, tokens, parent, score, path = {0: root}, {}, {0: None}, {0: 0.0}, {0: ()}
+        frontier = self._children(0, logits[0], tokens, parent, score, path)
+        true_slots = self._valid[0].clone()  # the cache's slots so far; fed-back entries follow
+        speculative: list[int] = []  # the node of each fed-back entry in the head's cache, in order
+        token_position = state.position_ids(length - 1, 1)  # the pending token's position
+        for depth in range(1, shape.depth):
+            expand = sorted(frontier, key=lambda node: -score[node])[: shape.top_k]
+            visible = torch.tensor(
+                [[self._is_ancestor(slot, node, parent) for slot in speculative + expand] for node in expand],
+                dtype=torch.bool,
+            )
+            ids = torch.tensor([[tokens[node] for node in expand]], device=root.device)
+            positions = (token_position + depth).expand(1, len(expand))
+            hidden = torch.cat([outputs[parent[node]] for node in expand], dim=1)
+            mask = self._tree_mask(true_slots, visible)
+            out = self.heads.step(hidden, self.adapter.embed(ids, positions), positions - 1, mask, self._cache)
+            speculative += expand
+            self._fed_back += len(expand)  # dropped after the verify pass, with their slots' flags
+            self._valid = torch.cat([self._valid, self._valid.new_zeros(1, len(expand))], dim=1)
+            node_logits = self.heads.logits(out[0], self.adapter, self.vocab)  # [k, V]
+            frontier = []
+            for index, node in enumerate(expand):
+                outputs[node], logits[node] = out[:, index : index + 1], node_logits[index]
+                frontier += self._children(node, node_logits[index], tokens, parent, score, path)
+        kept = sorted(tokens, key=lambda node: (-score[node], len(path[node])))[: shape.nodes]
+        tree = CandidateTree.from_paths([list(path[node]) for node in kept])
+        order = {tuple(p): node for node, p in ((n, path[n]) for n in kept)}
+        nodes = [order[p] for p in tree.paths]
+        node_tokens = torch.tensor([[tokens[node] for node in nodes]], device=root.device)
+        zeros = torch.zeros_like(logits[0])
+        node_logits = torch.stack([logits[0]] + [logits.get(node, zeros) for node in nodes])[None]
+        return tree.to(root.device), node_tokens, node_logits
+
+    def _children(self, node: int, logits: torch.Tensor, tokens, parent, score, path) -> list[int]:
+        """Add `node`'s `top_k` best children (by draft log-probability) to the tree being grown; their ids."""
+        best = logits.float().log_softmax(dim=-1).topk(self.tree.top_k)
+        children = []
+        for rank, (value, token) in enumerate(zip(best.values.tolist(), best.indices.tolist(), strict=True)):
+            child = len(parent)
+            tokens[child], parent[child], score[child] = token, node, score[node] + value
+            path[child] = (*path[node], rank)
+            children.append(child)
+        return children
+
+    @staticmethod
+    def _is_ancestor(candidate: int, node: int, parent: dict) -> bool:
+        """Whether `candidate` is `node` or one of its ancestors."""
+        while node is not None:
+            if node == candidate:
+                return True
+            node = parent[node]
+        return False
+
+    def _tree_mask(self, true_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Float mask [1, 1, k, S + extra] for k tree entries: the valid ones of the S `true_slots`, and the
+        fed-back entries (then the new ones) that `visible` [k, extra] allows."""
+        seen = torch.cat([true_slots[None, :].expand(visible.shape[0], -1), visible.to(true_slots.device)], dim=1)
+        dtype = next(self.heads.parameters()).dtype
+        mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+        return mask[None, None]
 
     def accept(self, verified: Verified) -> None:
         """Drop the fed-back entries; the features of the committed positions join the backlog."""

@@ -49,7 +49,9 @@ class SelfSpeculative:
             uses the model's own final norm and LM head as the exit head (no training needed).
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
-            chain even when the heads carry a tree.
+            chain even when the heads carry a tree. With an EAGLE head, a dynamic tree (EAGLE-2) as a dict
+            {"nodes": 8, "top_k": 3, "depth": 4}: candidates verified per pass, children per expanded node and
+            nodes expanded per depth, depth. Trees draft for one prompt at a time.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
             down to plain decoding when drafting does not pay (see `selfspec.adaptive`); with several drafters,
             also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
@@ -83,7 +85,7 @@ class SelfSpeculative:
         exit_layer: int | None = None,
         num_draft_tokens: int | None = None,
         heads: str | os.PathLike | DraftHeads | None = None,
-        tree: list[list[int]] | None = None,
+        tree: list[list[int]] | dict | None = None,
         adaptive: bool | None = None,
         draft_cost: float | None = None,
         draft_vocab=None,
@@ -274,16 +276,15 @@ class SelfSpeculative:
         return self._advance(call, drafts, verdict.num_accepted, scores, logits, kept, verdict.next_token)
 
     def tree_step(self, call: Call) -> bool:
-        """One Medusa tree iteration: candidates from the heads' top-k, one verify pass with a tree mask,
-        the longest accepted path committed and the cache rearranged to it. Returns True when done."""
+        """One tree iteration: the drafter's candidate tree (Medusa's fixed shape, or a dynamic one), one verify
+        pass with a tree mask, the longest accepted path committed and the cache rearranged to it. Returns True
+        when done."""
         state, setup, drafter = call.state, call.setup, self.drafter
-        tree, depth = drafter.tree, drafter.tree.max_depth
         with call.watch.section("draft"):
-            node_tokens, proposals = drafter.draft_tree()  # [batch, N], [batch, num_heads, V]
+            tree, node_tokens, node_logits = drafter.draft_tree(state)  # [batch, N], [batch, N+1, V]
+        depth = tree.max_depth
         with call.watch.section("verify"):
-            logits, hidden = drafter.verify_tree(
-                self.adapter, state, node_tokens, self.hidden_layers
-            )  # [batch, N+1, V]
+            logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
             scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
             p = scores.softmax(dim=-1) if setup.do_sample else scores  # greedy reads argmaxes, as model.generate does
             verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
@@ -293,8 +294,9 @@ class SelfSpeculative:
             path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
             along = path[..., None].expand(-1, -1, scores.shape[-1])
             path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
-            if setup.do_sample or call.alpha_due():
-                q = process_scores(setup.processors, state.sequences, path_tokens, proposals[:, :depth]).softmax(dim=-1)
+            if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
+                drafts = node_logits.gather(1, along[:, :depth])
+                q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
                 call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
         call.drafted_by = 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_batch import assert_rows_exact
 from test_families import batched_counts
-from test_sampling_exactness import VOCAB, chi_square_pvalue, exact_law
+from test_sampling_exactness import PROMPT, VOCAB, chi_square_pvalue, exact_law, sampled_counts
 from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_model
 from transformers import DynamicCache
 
@@ -147,6 +147,45 @@ def test_sampling_is_distributed_as_the_target():
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
 
 
+TREES = [
+    {"nodes": 6, "top_k": 2, "depth": 3},
+    {"nodes": 12, "top_k": 3, "depth": 5},
+    {"nodes": 1, "top_k": 1, "depth": 1},
+]
+
+
+def test_dynamic_trees_are_exact_and_accept_more(trained):
+    model, heads, prompts = trained
+    passes = {}
+    for row in range(3):
+        prompt = prompts[row : row + 1]
+        expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        for index, tree in enumerate(TREES):
+            spec = SelfSpeculative(model, heads=heads, tree=tree)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=24, do_sample=False), expected), (row, tree)
+            passes[index] = passes.get(index, 0) + spec.stats.target_passes
+    assert passes[1] < passes[2]  # a tree of 12 candidates needs fewer passes than a chain of one
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2", "gpt_neox", "gemma3_text"])
+def test_dynamic_trees_on_other_families(arch):
+    """Sliding windows and mixed attention types: the tree mask of the verify pass, and the head's own."""
+    model = tiny_model(arch)
+    prompt = random_prompt(12, seed=4)
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    spec = SelfSpeculative(model, heads=eagle_heads(model), tree={"nodes": 8, "top_k": 3, "depth": 3})
+    assert torch.equal(spec.generate(prompt, max_new_tokens=20, do_sample=False), expected)
+
+
+def test_dynamic_tree_sampling_is_distributed_as_the_target():
+    """Deterministic top-k candidates chosen by cumulative draft probability: the tree rule stays exact."""
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB, num_layers=3, hidden=16, logit_scale=20.0)
+    spec = SelfSpeculative(model, heads=eagle_heads(model, seed=2), tree={"nodes": 3, "top_k": 2, "depth": 2})
+    counts = sampled_counts(spec, temperature=0.8)
+    assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
+    assert PROMPT.shape[0] == 1
+
+
 def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
     model, heads, prompts = trained
     heads.save_pretrained(tmp_path / "eagle")
@@ -175,8 +214,12 @@ def test_settings_errors_name_the_problem():
     heads = eagle_heads(model)
     with pytest.raises(ValueError, match="exit_layer does not apply to an EAGLE head"):
         SelfSpeculative(model, heads=heads, exit_layer=2)
-    with pytest.raises(ValueError, match="EAGLE head drafts chains"):
+    with pytest.raises(ValueError, match="an EAGLE head drafts dynamic trees, given as a dict"):
         SelfSpeculative(model, heads=heads, tree=[[0], [1]])
+    with pytest.raises(ValueError, match="expected the keys nodes, top_k and depth"):
+        SelfSpeculative(model, heads=heads, tree={"budget": 8})
+    with pytest.raises(ValueError, match="must be at least 1"):
+        SelfSpeculative(model, heads=heads, tree={"nodes": 0})
     with pytest.raises(ValueError, match="heads.unroll must be at least 1"):
         HeadsConfig(kind="eagle", unroll=0)
     with pytest.raises(ValueError, match="heads.layout must be one of eagle, eagle3"):

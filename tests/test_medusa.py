@@ -171,7 +171,7 @@ def test_bad_trees_are_refused(tree, message):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=message):
         SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), tree=tree)
-    with pytest.raises(ValueError, match="needs Medusa heads"):
+    with pytest.raises(ValueError, match="needs Medusa or EAGLE heads"):
         SelfSpeculative(model, tree=[[0]])
 
 

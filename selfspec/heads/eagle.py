@@ -125,13 +125,20 @@ class EagleHeads(DraftHeads):
         return adapter.lm_logits(on_target(self.body.norm(outputs), adapter), None, vocab, self.draft_lora)
 
     def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
-        from ..eagle import EagleDrafter  # the drafter module imports these heads' types only for checks
+        from ..eagle import DynamicTree, EagleDrafter  # the drafter module imports these heads' types for checks only
 
         if exit_layer is not None:
             raise ValueError("exit_layer does not apply to an EAGLE head: it drafts from the target's features.")
-        if tree:
-            raise ValueError("An EAGLE head drafts chains here; candidate trees need Medusa heads.")
-        return EagleDrafter(adapter, self, vocab, confidence)
+        if tree is not None and not isinstance(tree, dict):
+            raise ValueError(
+                f"tree={tree!r}: an EAGLE head drafts dynamic trees, given as a dict such as "
+                "{'nodes': 8, 'top_k': 3, 'depth': 4} (paths of ranks are for Medusa heads)."
+            )
+        try:
+            shape = DynamicTree(**tree) if tree else None
+        except TypeError as error:
+            raise ValueError(f"tree={tree!r}: expected the keys nodes, top_k and depth ({error}).") from error
+        return EagleDrafter(adapter, self, vocab, confidence, shape)
 
     # ------------------------------------------------------------------------------------ training
     @classmethod

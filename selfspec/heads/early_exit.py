@@ -79,7 +79,7 @@ class ExitHeads(DraftHeads):
 
     def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence) -> EarlyExitDrafter:
         if tree:
-            raise ValueError("A candidate tree needs Medusa heads: early exit drafts a chain.")
+            raise ValueError("A candidate tree needs Medusa or EAGLE heads: early exit drafts a chain.")
         layer = self.default_exit_layer if exit_layer is None else exit_layer
         drafter = EarlyExitDrafter(adapter, layer, None, vocab, self.draft_lora, confidence)  # checks the range
         drafter.head = self.head_for(layer)
