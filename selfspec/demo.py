@@ -1,8 +1,8 @@
 """`selfspec demo`, `selfspec bench` and `selfspec tune`: load a target and its heads, run, report.
 
 The demo completes a few held-out code prompts with the bundled demo target (heads/demo-target, trained by
-this project) three ways: plain `model.generate`, selfspec early exit with the trained exit heads and
-selfspec Medusa; it prints the completions, checks that the greedy outputs are identical, and reports
+this project): plain `model.generate`, then selfspec with the trained exit heads, Medusa heads, the EAGLE head,
+n-gram lookup and hybrids; it prints the completions, checks that the greedy outputs are identical, and reports
 tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a PNG). `bench` and `tune`
 take the same model arguments (see `selfspec.bench` and `selfspec.tune` for what they measure).
 """

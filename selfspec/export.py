@@ -140,7 +140,8 @@ def _card(adapter: ModelAdapter, heads: EagleHeads, format: str, engine: str | N
     commands = [serve[name] for name in ENGINES if engine in (None, name)]
     features = f"decoder layers {heads.feature_layers}, {ids}" if format == "eagle3" else "the last hidden state"
     lines = [f"# {format} draft for {target}", "", f"Exported by `selfspec export` from an EAGLE head on {features}."]
-    lines += [f"For {engine or 'vLLM and SGLang'}. Serve it with:", "", *(f"    {c}" for c in commands), ""]
+    lines += [f"For {engine or 'vLLM and SGLang'}. Serve it with (the flags their documentation gives; selfspec "
+              "does not run the engines):", "", *(f"    {c}" for c in commands), ""]  # fmt: skip
     return "\n".join(lines)
 
 

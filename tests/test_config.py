@@ -18,7 +18,7 @@ from selfspec.config import (
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED = ["train_heads_demo.yaml", "train_heads_demo_medusa.yaml", "train_heads_llama_1b_template.yaml"]
+SHIPPED = sorted(path.name for path in CONFIGS.glob("train_heads_*.yaml"))  # every shipped heads config
 
 
 def flat_keys(values: dict, prefix: str = "") -> set[str]:

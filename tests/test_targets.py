@@ -13,7 +13,7 @@ from selfspec import targets
 from selfspec.adapter import ModelAdapter
 from selfspec.cli import build_parser, main
 from selfspec.demo import load_target
-from selfspec.heads import ExitHeads, MedusaHeads
+from selfspec.heads import EagleHeads, ExitHeads, MedusaHeads
 from selfspec.targets import (
     KNOWN_TARGETS,
     TargetError,
@@ -29,7 +29,7 @@ def test_registry_names_resolve():
     assert list(KNOWN_TARGETS) == ["demo", "smollm2-135m-instruct"]
     demo = known_target("demo")
     assert demo.folder.name == "demo-target" and target_folder("demo") == demo.folder
-    assert default_heads("demo") == [str(demo.folder / "exit-heads"), str(demo.folder / "medusa-heads")]
+    assert default_heads("demo") == [str(demo.folder / name) for name in ("exit-heads", "medusa-heads", "eagle-head")]
     smollm2 = known_target("smollm2-135m-instruct")
     assert smollm2.extra == "smollm2" and smollm2.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert target_folder("some/folder") == "some/folder" and default_heads("some/folder") == []
@@ -74,6 +74,6 @@ def test_model_demo_is_the_default_target_with_its_heads():
     by_name = load_target(build_parser().parse_args(["bench", "--model", "demo"]))
     default = load_target(build_parser().parse_args(["bench"]))
     for model, _, heads, prompts, vocab in (by_name, default):
-        assert set(heads) == {ExitHeads, MedusaHeads} and len(prompts) == 8 and len(vocab) > 0
+        assert set(heads) == {ExitHeads, MedusaHeads, EagleHeads} and len(prompts) == 8 and len(vocab) > 0
         assert ModelAdapter(model).num_layers == 12
     assert by_name[3] == default[3]
