@@ -108,7 +108,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
     parser.add_argument(
         "--prompts",
         help="prompts: a .json list or a .jsonl file, or Spec-Bench questions (.jsonl rows with category and turns: "
-        "the first turn through the chat template) (default: the model's prompts.json)",
+        "the first turn through the chat template) (default: the model's prompts.jsonl or prompts.json)",
     )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
@@ -136,7 +136,7 @@ def load_target(args: argparse.Namespace):
         if type(loaded) in heads:
             raise SystemExit(f"--heads: two {type(loaded).__name__} folders given; pass one of each kind")
         heads[type(loaded)] = loaded.to(device=adapter.device, dtype=adapter.dtype)
-    prompts_path = Path(args.prompts) if args.prompts else Path(path) / "prompts.json"
+    prompts_path = Path(args.prompts) if args.prompts else default_prompts(Path(path))
     if not prompts_path.exists():
         raise SystemExit(f"No prompts: {prompts_path} does not exist; pass --prompts FILE (.json or .jsonl)")
     vocab_path = Path(args.draft_vocab) if args.draft_vocab not in (None, "none") else Path(path) / "draft_vocab.json"
@@ -145,6 +145,13 @@ def load_target(args: argparse.Namespace):
     use_vocab = args.draft_vocab != "none" and vocab_path.exists()
     vocab = read_token_ids(vocab_path) if use_vocab else None
     return model, tokenizer, heads, read_prompts(prompts_path, tokenizer), vocab
+
+
+def default_prompts(folder: Path) -> Path:
+    """A target folder's prompts: `prompts.jsonl` (chat questions, rendered with the chat template) if it has one,
+    else `prompts.json` (plain strings)."""
+    chat = folder / "prompts.jsonl"
+    return chat if chat.exists() else folder / "prompts.json"
 
 
 def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ class KnownTarget:
     """A target selfspec can load by name."""
 
     name: str
-    folder: Path  # its prompts.json, draft_vocab.json and trained heads; also the weights unless `package`
+    folder: Path  # its prompts.json(l), draft_vocab.json and trained heads; also the weights unless `package`
     package: str | None = None  # the importable package that ships the weights as `gguf_file`
     gguf_file: str | None = None
     extra: str | None = None  # selfspec's extra that installs `requires`

