@@ -207,9 +207,9 @@ def demo_legend(vocab_size: int | None) -> str:
     ]
     if vocab_size:
         legend += [
-            f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: for the demo "
-            "target, its most",
-            "frequent tokens); verification uses the whole vocabulary, so the output stays exact.",
+            f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: the target's "
+            "most",
+            "frequent tokens in its data); verification uses the whole vocabulary, so the output stays exact.",
         ]
     return "\n".join(legend)
 
