@@ -130,6 +130,12 @@ def _longrope_switch(config) -> int | None:
     return min(switches) if switches else None
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the float mask attention adds: 0 where visible, the dtype's minimum elsewhere
+    (a boolean 4D mask is silently wrong under eager attention)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
 class ModelAdapter:
     """Drives the decoder stack of a supported Hugging Face causal LM, layer range by layer range."""
 
@@ -270,10 +276,7 @@ class ModelAdapter:
                 keys_ok = torch.ones(batch, kv_length, dtype=torch.bool, device=node_index.device)
                 keys_ok[:, :masked_keys] = past_mask[:, kv_offset : kv_offset + masked_keys].bool()
                 visible = visible & keys_ok[:, None, :]
-            blocked = torch.finfo(self.dtype).min
-            masks[kind] = torch.zeros(visible.shape, dtype=self.dtype, device=node_index.device).masked_fill(
-                ~visible, blocked
-            )[:, None]
+            masks[kind] = additive_mask(visible, self.dtype)[:, None]
         if len(masks) == 1:
             return next(iter(masks.values()))
         if self.model_type not in MIXED_MASK_MODELS:

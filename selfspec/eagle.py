@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from .adapter import ModelAdapter
+from .adapter import ModelAdapter, additive_mask
 from .drafter import Draft, Drafter, Processing, Verified, draft_chain
 from .drafters import draft_head_size
 from .state import DecodeState
@@ -112,10 +112,7 @@ class EagleDrafter(Drafter):
         causal = torch.ones(n, n, dtype=torch.bool, device=new_valid.device).tril()
         new = (causal[None] & new_valid[:, None, :]) | torch.eye(n, dtype=torch.bool, device=new_valid.device)[None]
         visible = torch.cat([self._valid[:, None, :].expand(-1, n, -1), new], dim=2)
-        dtype = next(self.heads.parameters()).dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-            ~visible, torch.finfo(dtype).min
-        )[:, None]
+        return additive_mask(visible, next(self.heads.parameters()).dtype)[:, None]
 
     def _run(self, state: DecodeState, hidden, tokens, start: int, new_valid) -> torch.Tensor:
         """Head step over entries whose tokens `tokens` [batch, n] sit at sequence indices start..start+n-1 (each
@@ -216,9 +213,7 @@ class EagleDrafter(Drafter):
         """Float mask [1, 1, k, S + extra] for k tree entries: the valid ones of the S `true_slots`, and the
         fed-back entries (then the new ones) that `visible` [k, extra] allows."""
         seen = torch.cat([true_slots[None, :].expand(visible.shape[0], -1), visible.to(true_slots.device)], dim=1)
-        dtype = next(self.heads.parameters()).dtype
-        mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
-        return mask[None, None]
+        return additive_mask(seen, next(self.heads.parameters()).dtype)[None, None]
 
     def accept(self, verified: Verified) -> None:
         """Drop the fed-back entries; the features of the committed positions join the backlog."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..adapter import ModelAdapter, ModelFingerprint, OneLayerModel
+from ..adapter import ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
 from ..distill import Costs, Draft, expected_tokens
 from ..drafter import FINAL
 from .base import DraftHeads, DraftSetting, HeadsMismatchError, on_target
@@ -40,10 +40,7 @@ def unrolled_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.T
     query = torch.arange(length, device=device)[:, None]
     key = torch.arange(length, device=device)[None, :]
     blocks = [key <= query - step] + [key == query - step + k for k in range(1, step + 1)]
-    visible = torch.cat(blocks, dim=1)
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)[
-        None, None
-    ]
+    return additive_mask(torch.cat(blocks, dim=1), dtype)[None, None]
 
 
 class EagleHeads(DraftHeads):
