@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .adapter import ModelAdapter
+from .adapter.static import CompiledAdapter
 from .adaptive import DraftController, check_position_cost, choose_drafter
 from .call import Call
 from .drafter import FINAL, Draft, Drafter, Verified, check_draft, pick, target_pass
@@ -77,6 +78,12 @@ class SelfSpeculative:
             or your own `selfspec.Drafter` (or a list of them, in order of preference).
         prompt_lookup_num_tokens, max_matching_ngram_size: the n-gram drafter's settings (transformers' names)
             for drafter="ngram" or "hybrid". Defaults: 10 and 2.
+        compile: True runs the target's passes compiled (`torch.compile`, inductor) over a pre-allocated static
+            cache: one graph for plain steps, one for verify passes of any width (`selfspec.adapter.static`); a
+            dict gives `torch.compile` options, e.g. {"mode": "reduce-overhead"} for CUDA graphs. The first calls
+            compile (tens of seconds on a CPU). One prompt at a time, chains only, drafters that do not run the
+            target's layers themselves (n-gram lookup, Medusa and EAGLE heads, hybrids of them), models without
+            sliding-window layers. Greedy output stays token-identical to `model.generate`. Default: False.
     """
 
     def __init__(
@@ -95,9 +102,14 @@ class SelfSpeculative:
         drafter: Drafter | list[Drafter] | str | None = None,
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
+        compile: bool | dict = False,
     ):
         self.model = model
-        self.adapter = ModelAdapter(model)
+        if not isinstance(compile, bool | dict):
+            raise TypeError(f"compile={compile!r}: pass True, False or a dict of torch.compile options.")
+        self.compiled = compile is not False
+        options = compile if isinstance(compile, dict) else None
+        self.adapter = CompiledAdapter(model, options) if self.compiled else ModelAdapter(model)
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads
@@ -142,6 +154,8 @@ class SelfSpeculative:
         self.exit_layer = getattr(self.drafter, "exit_layer", None)
         self.num_draft_tokens = max(self.draft_limits)
         self.stats: GenerationStats | None = None
+        if self.compiled:
+            self._check_compiled()
 
     @property
     def drafter(self) -> Drafter:
@@ -161,6 +175,22 @@ class SelfSpeculative:
                 if layer not in layers:
                     layers.append(layer)
         return tuple(layers)
+
+    def _check_compiled(self) -> None:
+        """compile=True: the drafters must verify chains through the target's own full passes (num_draft_tokens=0
+        decodes plainly: any drafter is then idle)."""
+        self.adapter.check_hidden_layers(self.hidden_layers)
+        for part in self.drafters if self.num_draft_tokens else []:
+            if part.tree is not None:
+                raise ValueError(
+                    f"compile=True verifies chains; {part.name} drafts a tree (tree=[] drafts a Medusa chain)."
+                )
+            if type(part).verify is not Drafter.verify:
+                raise ValueError(
+                    f"compile=True runs the target's full passes compiled; {part.name} runs the target's layers its "
+                    "own way (the exit-head drafter runs the first layers on the cache). Draft with n-gram lookup "
+                    "(drafter='ngram'), Medusa or EAGLE heads, or use compile=False."
+                )
 
     def __getattr__(self, name: str):
         # look-ups the wrapper does not answer pass through to the wrapped model, as peft does
@@ -197,6 +227,11 @@ class SelfSpeculative:
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
         if input_ids.shape[0] > 1:
             self._check_batch(setup)
+            if self.compiled:
+                raise UnsupportedGenerationArgument(
+                    f"compile=True decodes one prompt at a time (got {input_ids.shape[0]}): its static cache and "
+                    "graphs are built for batch 1. Loop over the prompts, or use compile=False for batches."
+                )
         max_positions = self.adapter.max_positions
         if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
             raise ValueError(
@@ -355,7 +390,7 @@ class SelfSpeculative:
         batch = input_ids.shape[0]
         state = DecodeState(
             input_ids,
-            self.adapter.new_cache(),
+            self.adapter.new_cache(input_ids.shape[1] + setup.max_new_tokens + self.num_draft_tokens + 1),
             pad_offset,
             mask if padded else None,
             added_pad=[0] * batch,
