@@ -62,16 +62,18 @@ class Contender:
     stats: list[dict] = field(default_factory=list)
     matched: list[bool] = field(default_factory=list)
     prompt_indices: list[int] = field(default_factory=list)  # the prompt of each timed run
+    outputs: list[torch.Tensor] = field(default_factory=list)  # a greedy baseline's output ids of each timed run
 
     def runs_on(self, prompts: set[int]) -> Contender:
         """A copy holding only the runs on the prompts with these indices (for per-category summaries)."""
         keep = [i for i, index in enumerate(self.prompt_indices) if index in prompts]
 
-        def pick(values: list) -> list:  # per-run lists; empty where they do not apply (stats, matched)
+        def pick(values: list) -> list:  # per-run lists; empty where they do not apply (stats, matched, outputs)
             return [values[i] for i in keep] if values else []
 
         return replace(self, seconds=pick(self.seconds), tokens=pick(self.tokens), stats=pick(self.stats),
-                       matched=pick(self.matched), prompt_indices=pick(self.prompt_indices))  # fmt: skip
+                       matched=pick(self.matched), prompt_indices=pick(self.prompt_indices),
+                       outputs=pick(self.outputs))  # fmt: skip
 
 
 def generate_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
@@ -243,6 +245,8 @@ def run_bench(
                 if contender.spec is not None:
                     contender.stats.append(contender.spec.stats.to_dict())
                 outputs[contender.name] = output
+                if contender.baseline and not contender.sampling:  # the reference: kept to be shown
+                    contender.outputs.append(output)
                 bar.update(1)
             reference = next(outputs[c.name] for c in contenders if c.baseline and not c.sampling)
             model = next(c.model for c in contenders if c.baseline and not c.sampling)

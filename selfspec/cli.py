@@ -25,6 +25,7 @@ from .demo import (
     target_path,
 )
 from .families import REFUSED_ARCHITECTURES, SUPPORT_RULE
+from .targets import DEMO_TARGET
 
 
 def add_profile_parser(commands) -> None:
@@ -33,7 +34,11 @@ def add_profile_parser(commands) -> None:
         help="held-out alpha per exit depth (untrained exit and trained heads), measured c, predicted speedup",
         formatter_class=HelpFormatter,
     )
-    profile.add_argument("--model", help=f"the target: {TARGET_CHOICES} (default: the bundled demo target, {BUNDLED})")
+    profile.add_argument(
+        "--model",
+        help=f"the target: {TARGET_CHOICES} (default: the bundled toy target demo, {BUNDLED}; selfspec demo "
+        f"defaults to {DEMO_TARGET})",
+    )
     profile.add_argument(
         "--heads",
         help="a trained heads folder for the model (default: the demo target's exit heads without --model and "

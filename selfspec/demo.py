@@ -1,16 +1,20 @@
 """`selfspec demo`, `selfspec bench` and `selfspec tune`: load a target and its heads, run, report.
 
-The demo completes a few held-out code prompts with the bundled demo target (heads/demo-target, trained by
-this project): plain `model.generate`, then selfspec with the trained exit heads, Medusa heads, the EAGLE head,
-n-gram lookup and hybrids; it prints the completions, checks that the greedy outputs are identical, and reports
-tokens/s, speedup, tokens per target pass and alpha per layer depth (also as a PNG). `bench` and `tune`
-take the same model arguments (see `selfspec.bench` and `selfspec.tune` for what they measure).
+The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-instruct`, the `[smollm2]` extra)
+in bfloat16: plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the
+draft vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
+target pass, and checks the greedy outputs against `model.generate`'s: in bfloat16 up to ties of its top-2 scores
+(`selfspec.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead (heads/demo-target,
+trained by this project) on held-out code prompts, with every kind of its heads and alpha per exit depth (also as a
+PNG). `bench` and `tune` take the same model arguments and run on the toy target without --model (see
+`selfspec.bench` and `selfspec.tune` for what they measure).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -39,7 +43,16 @@ from .specbench import (
     summarize_by_category,
 )
 from .speculative import SelfSpeculative
-from .targets import DEFAULT_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
+from .targets import (
+    DEFAULT_TARGET,
+    DEMO_TARGET,
+    KNOWN_TARGETS,
+    TargetError,
+    default_heads,
+    load_model,
+    target_folder,
+)
+from .ties import TIE, TIE_STEPS
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
@@ -49,6 +62,11 @@ THREADS_HELP = (
     "torch CPU threads; 0: torch's default (one per core). One by default: a small model at batch 1 gains little "
     "from more, and on a busy machine threads that wait for a core slow every step down"
 )
+# How the demo runs SmolLM2-135M-Instruct (other targets: float32 and every mode their heads allow). bfloat16: on a
+# CPU its decoding is bound by reading the weights, so a verify pass over a few positions costs about one step.
+# Its best modes only: each mode costs a run of a 135M model, and the demo is to stay under about 3 minutes.
+DEMO_DTYPES = {DEMO_TARGET: "bfloat16"}
+BEST_MODES_ONLY = {DEMO_TARGET}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -97,9 +115,21 @@ def set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
-    where = f" (default: the bundled demo target, {BUNDLED})" if bundled else ""
-    parser.add_argument("--model", required=not bundled, help=f"the target: {TARGET_CHOICES}{where}")
+def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bool = False) -> None:
+    """The target options. `bundled`: --model may be left out for the bundled toy target (bench, tune);
+    `demo`: for DEMO_TARGET instead, and --dtype defaults to the target's demo dtype (`demo_dtype`)."""
+    if demo:
+        where = f" (default: {DEMO_TARGET}; demo: the bundled toy target, {BUNDLED})"
+    elif bundled:
+        where = f" (default: the bundled toy target demo, {BUNDLED}; selfspec demo defaults to {DEMO_TARGET})"
+    else:
+        where = ""
+    parser.add_argument(
+        "--model",
+        default=DEMO_TARGET if demo else None,
+        required=not (bundled or demo),
+        help=f"the target: {TARGET_CHOICES}{where}",
+    )
     parser.add_argument(
         "--heads",
         action="append",
@@ -111,7 +141,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool) -> None:
         "the first turn through the chat template) (default: the model's prompts.jsonl or prompts.json)",
     )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    if demo:
+        parser.add_argument(
+            "--dtype",
+            help=f"float32 | bfloat16 | float16 | auto (default: bfloat16 for {DEMO_TARGET}, where the greedy check "
+            "allows ties of the top-2 scores, selfspec.ties; float32, token for token, for other targets)",
+        )
+    else:
+        parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
     parser.add_argument(
@@ -160,9 +197,18 @@ def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
             .input_ids.to(device) for prompt in prompts]  # fmt: skip
 
 
-def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
-    """model.generate, then selfspec with the trained heads (reduced-vocabulary drafts when given), n-gram
-    lookup, and lookup with the Medusa heads where it has no match."""
+def demo_dtype(model: str) -> str:
+    """The dtype the demo runs `model` in without --dtype: `DEMO_DTYPES`'s, else float32."""
+    return DEMO_DTYPES.get(model, "float32")
+
+
+def demo_contenders(model, heads: dict, vocab: list[int] | None, best_only: bool = False) -> list[Contender]:
+    """model.generate, then selfspec (reduced-vocabulary drafts where `vocab` is given). `best_only`: the best
+    modes (`best_contenders`); else the full field: the trained exit heads (the untrained exit without them),
+    Medusa chain and tree, the EAGLE head's modes, n-gram lookup, and lookup with the Medusa heads where it has
+    no match."""
+    if best_only:
+        return best_contenders(model, heads, vocab)
     exit_heads, medusa = heads.get(ExitHeads), heads.get(MedusaHeads)
     suffix = f", vocab {len(vocab)}" if vocab else ""
     contenders = [generate_contender(model, "model.generate", False, 1.0)]
@@ -186,6 +232,27 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
     return contenders
 
 
+def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
+    """model.generate, then the chain of each kind of heads loaded (the trained exit at its tuned depth, the Medusa
+    chain, the EAGLE chain) with the draft vocabulary `vocab`, n-gram lookup, and its hybrid with each kind."""
+    chains = []
+    if ExitHeads in heads:
+        layer = heads[ExitHeads].default_exit_layer
+        chains.append((f"exit {layer} trained", {"heads": heads[ExitHeads], "exit_layer": layer}))
+    if MedusaHeads in heads:
+        chains.append(("medusa chain", {"heads": heads[MedusaHeads], "tree": []}))
+    if EagleHeads in heads:
+        chains.append(("eagle", {"heads": heads[EagleHeads]}))
+    suffix = f", vocab {len(vocab)}" if vocab else ""
+    contenders = [generate_contender(model, "model.generate", False, 1.0)]
+    contenders += [selfspec_contender(model, f"selfspec {name}{suffix}", False, 1.0, draft_vocab=vocab, **options)
+                   for name, options in chains]  # fmt: skip
+    contenders.append(selfspec_contender(model, "selfspec ngram", False, 1.0, drafter="ngram"))
+    contenders += [selfspec_contender(model, f"selfspec hybrid ngram + {name}{suffix}", False, 1.0, drafter="hybrid",
+                                      draft_vocab=vocab, **options) for name, options in chains]  # fmt: skip
+    return contenders
+
+
 def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
     """Analytic alpha per exit depth, untrained exit next to trained heads, on the given token sequences."""
     from .adapter import ModelAdapter
@@ -198,13 +265,15 @@ def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> li
     return report_rows(heads, scores["untrained"], scores["trained"], None, max_gamma=0)
 
 
-def demo_legend(vocab_size: int | None) -> str:
-    """What the demo table's columns mean."""
+def demo_legend(vocab_size: int | None, ties: bool = False) -> str:
+    """What the demo table's columns mean; `ties`: half precision, where "tie (n)" may show."""
     legend = [
         "tokens/s: new tokens per second; speedup: over model.generate in this run; greedy match: the same tokens",
         "as model.generate; alpha_hat: drafts accepted / drafts proposed; tokens/pass: new tokens per full-model",
         "pass (1.00 for plain decoding; each pass verifies the drafts and adds one token of its own).",
     ]
+    if ties:
+        legend.append("tie (n): the same tokens up to a tie on n prompts (see the greedy check below).")
     if vocab_size:
         legend += [
             f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: the target's "
@@ -221,41 +290,81 @@ DEPTH_LEGEND = (
 )
 
 
+def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """The demo's greedy check over the selfspec contenders' runs: (report lines: the rule applied, each mode's
+    count of prompts identical to model.generate and left at a tie, the verdict; failures: one line per mode whose
+    output left model.generate's other than at a tie). The verdicts are `run_bench`'s, by
+    `selfspec.ties.compare_greedy`: in float32 identical tokens, in half precision identical up to a tie."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float32:
+        rule = f"Greedy check ({name}): each output must equal model.generate's, token for token."
+        elsewhere = "differs from model.generate's output"
+    else:
+        rule = (f"Greedy check ({name}, the tie rule of selfspec.ties): each output must equal model.generate's up "
+                f"to the first position where model.generate's top-2 scores are within {TIE_STEPS} {name} rounding "
+                "steps of each other, and take one of those tokens there (a pass over several positions rounds "
+                "differently from a one-token step).")  # fmt: skip
+        elsewhere = "left model.generate's output other than at a tie"
+    lines = textwrap.wrap(rule, width=112)
+    failures, identical, tied, total = [], 0, 0, 0
+    for contender in contenders:
+        if contender.baseline or contender.sampling:
+            continue
+        verdicts = contender.matched
+        same, ties = sum(verdict is True for verdict in verdicts), sum(verdict == TIE for verdict in verdicts)
+        wrong = [contender.prompt_indices[i] + 1 for i, verdict in enumerate(verdicts) if verdict is False]
+        line = f"  {contender.name}: {same} of {len(verdicts)} prompts identical"
+        line += f", {ties} left it at a tie" if ties else ""
+        line += f", {len(wrong)} NOT at a tie" if wrong and dtype != torch.float32 else ""
+        lines.append(line)
+        if wrong:
+            failures.append(f"GREEDY CHECK FAILED: {contender.name} {elsewhere} on prompt(s) "
+                            f"{', '.join(map(str, wrong))}: this is a bug in selfspec, please report it.")  # fmt: skip
+        identical, tied, total = identical + same, tied + ties, total + len(verdicts)
+    if failures:
+        lines.append("Greedy outputs identical to model.generate: NO (see the failures below).")
+    elif tied:
+        lines.append(f"Greedy outputs identical to model.generate up to ties: yes: {identical} of {total} outputs "
+                     f"identical, {tied} left it at a tie, none anywhere else.")  # fmt: skip
+    else:
+        lines.append("Greedy outputs identical to model.generate: yes, for every prompt and mode.")
+    return lines, failures
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from .profile import format_table, plot_alpha
 
     check_plotting()
+    args.dtype = args.dtype or demo_dtype(args.model)
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
-    contenders = demo_contenders(model, heads, vocab)
-    print(f"{args.model or BUNDLED}: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy")
+    contenders = demo_contenders(model, heads, vocab, best_only=args.model in BEST_MODES_ONLY)
+    dtype = str(model.dtype).removeprefix("torch.")
+    print(f"{args.model}: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy, {dtype}")
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=1)
-    plain = contenders[0]
-    outputs = [plain.run(ids, args.max_new_tokens) for ids in inputs]  # untimed, to show the text
+    outputs = contenders[0].outputs  # model.generate's, prompt by prompt
     for prompt, ids, output in zip(prompts, inputs, outputs, strict=True):
         tail = "\n".join(prompt.rstrip("\n").splitlines()[-4:])
         completion = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
         print(f"\n----- prompt (last lines) -----\n{tail}\n----- completion -----\n{completion}")
     print("\n" + markdown_table(rows, [c for c in COLUMNS if c[0] in DEMO_COLUMNS]))
-    print(demo_legend(len(vocab) if vocab else None))
-    verdicts = [row["matched"] for row in rows if row["matched"] is not None]
-    if all(verdict is True for verdict in verdicts):
-        verdict = "yes, for every prompt and mode."
-    elif any(verdict is False for verdict in verdicts):
-        verdict = "NO: this is a bug, please report it."
-    else:  # half precision: see selfspec.ties
-        verdict = "yes, up to ties: some outputs leave it where its top-2 scores are within the dtype's rounding."
-    print("\nGreedy outputs identical to model.generate: " + verdict)
-    output_dir = Path(args.output)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    print(demo_legend(len(vocab) if vocab else None, ties=model.dtype != torch.float32))
+    report, failures = greedy_check(contenders, model.dtype)
+    print("\n" + "\n".join(report))
     if ExitHeads in heads:
+        output_dir = Path(args.output)
+        output_dir.mkdir(parents=True, exist_ok=True)
         depth_rows = alpha_by_depth(model, heads[ExitHeads], outputs)
         print("\nalpha per exit depth on these prompts and completions:\n" + format_table(depth_rows))
         print(DEPTH_LEGEND)
         plot_alpha(depth_rows, output_dir / "alpha_by_depth.png", "demo target: acceptance rate per exit depth")
         print(f"plot: {output_dir / 'alpha_by_depth.png'}")
-    return 1 if any(verdict is False for verdict in verdicts) else 0
+    if failures:
+        sys.stdout.flush()  # the failures come last, also where stdout and stderr go to one terminal
+        print("\n".join(failures), file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -329,9 +438,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def add_demo_parser(commands) -> None:
     demo = commands.add_parser(
-        "demo", help="complete held-out code prompts with the bundled demo target", formatter_class=HelpFormatter
+        "demo",
+        help=f"answer a few chat prompts with {DEMO_TARGET}, plainly and with selfspec's best modes for it "
+        "(--model demo: held-out code prompts with the bundled toy target)",
+        formatter_class=HelpFormatter,
     )
-    add_model_arguments(demo, bundled=True)
+    add_model_arguments(demo, bundled=True, demo=True)
     demo.add_argument("--num_prompts", type=int, default=3, help="prompts to complete")
     demo.add_argument("--output", default="runs/demo", help="folder for alpha_by_depth.png")
 

