@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .adapter.static import compiled_generate_options
 from .adaptive import predicted_speedup
 from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
@@ -55,8 +56,9 @@ class Contender:
     spec: SelfSpeculative | None = None
     baseline: bool = False  # plain model.generate: what the speedups are relative to
     model: nn.Module | None = None  # a baseline's model: where a greedy divergence is checked for a tie
-    plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v
+    plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v (of the compiled ones, if `compiled`)
     tree: bool = False
+    compiled: bool = False  # torch.compile'd passes: compared with the compiled model.generate too
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -98,7 +100,33 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
 
     plain = options.get("num_draft_tokens") == 0
     tree = spec.drafter.tree is not None
-    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree)
+    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree, compiled=spec.compiled)
+
+
+def compiled_contenders(
+    model: nn.Module,
+    medusa_heads: MedusaHeads | None = None,
+    eagle_heads: EagleHeads | None = None,
+    draft_vocab: list[int] | None = None,
+    prompt_lookup_num_tokens: int = 10,
+) -> list[Contender]:
+    """Greedy, compiled: `model.generate` with transformers' static cache and torch.compile (the fair baseline for
+    a compiled selfspec), then selfspec with compile=True: the plain loop (the unit of c and v of the compiled
+    contenders), n-gram lookup, the Medusa chain and the EAGLE chain (with `draft_vocab`), and each one's hybrid with
+    n-gram lookup."""
+    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    field_ = [replace(generate_contender(model, "generate compiled", False, 1.0, **compiled_generate_options()),
+                      compiled=True)]  # fmt: skip
+    options = [("plain loop", {"num_draft_tokens": 0}),
+               ("ngram", {"drafter": "ngram", "prompt_lookup_num_tokens": prompt_lookup_num_tokens})]  # fmt: skip
+    hybrid = {"drafter": "hybrid", "prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+    for kind, heads, extra in (("medusa chain", medusa_heads, {"tree": []}), ("eagle", eagle_heads, {})):
+        if heads is not None:
+            settings = {"heads": heads, "draft_vocab": draft_vocab, **extra}
+            options += [(f"{kind}{suffix}", settings), (f"hybrid ngram + {kind}{suffix}", {**settings, **hybrid})]
+    for name, settings in options:
+        field_.append(selfspec_contender(model, f"selfspec {name} compiled", False, 1.0, compile=True, **settings))
+    return field_
 
 
 def standard_contenders(
@@ -225,8 +253,13 @@ def run_bench(
     from tqdm.auto import tqdm
 
     device = prompts[0].device
+    by_length = sorted(prompts, key=lambda prompt: prompt.shape[1])
     for contender in contenders:  # warm-up: first-call allocations and lazy initialisation are not timed
-        contender.run(prompts[0], min(8, max_new_tokens))
+        if contender.compiled:  # the longest call first (the largest cache), then another length: every graph
+            for prompt in (by_length[-1], by_length[0]):
+                contender.run(prompt, max_new_tokens)
+        else:
+            contender.run(prompts[0], min(8, max_new_tokens))
     bar = tqdm(total=repeats * len(prompts) * len(contenders), desc="bench", disable=not progress, leave=False)
     for repeat in range(repeats):
         for index, prompt in enumerate(prompts):
@@ -334,16 +367,19 @@ def _rate(contender: Contender) -> float:
 def summarize(contenders: list[Contender]) -> list[dict]:
     """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
     baselines = {c.sampling: _rate(c) for c in contenders if c.baseline}
-    plain = next((c for c in contenders if c.plain_loop), None)
-    step = statistics.median(s / t for t, s in zip(plain.tokens, plain.seconds, strict=True)) if plain else None
+    compiled_generate = next((_rate(c) for c in contenders if c.compiled and c.spec is None), None)
+    steps = {}  # the plain loop's time per token, eager and compiled
+    for plain in (c for c in contenders if c.plain_loop and c.compiled not in steps):
+        steps[plain.compiled] = statistics.median(s / t for t, s in zip(plain.tokens, plain.seconds, strict=True))
     rows = []
     for contender in contenders:
-        rate = _rate(contender)
+        rate, step = _rate(contender), steps.get(contender.compiled)
         row = {
             "contender": contender.name,
             "sampling": contender.sampling,
             "tokens_per_s": rate,
             "speedup": rate / baselines.get(contender.sampling, baselines[False]),
+            "vs_compiled_generate": rate / compiled_generate if compiled_generate and not contender.sampling else None,
             "matched": match_summary(contender.matched),
             "ties": sum(verdict == TIE for verdict in contender.matched),
             "runs": len(contender.seconds),
@@ -408,6 +444,7 @@ COLUMNS = [
     ("contender", "contender", "{}"),
     ("tokens_per_s", "tokens/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("vs_compiled_generate", "vs generate compiled", "{:.2f}x"),
     ("matched", "greedy match", "{}"),
     ("alpha_hat", "alpha_hat", "{:.3f}"),
     ("alpha", "alpha", "{:.3f}"),
@@ -423,7 +460,9 @@ COLUMNS = [
 
 
 def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
-    """The summaries as a Markdown table ('-' where a figure does not apply)."""
+    """The summaries as a Markdown table ('-' where a figure does not apply; no column where none does)."""
+    columns = [column for column in columns if column[0] == "contender" or any(row.get(column[0]) is not None
+                                                                               for row in rows)]  # fmt: skip
 
     def cell(row, key, fmt):
         value = row.get(key)

@@ -7,24 +7,20 @@ import sys
 from pathlib import Path
 
 from . import SUPPORTED_ARCHITECTURES, __version__
-from .demo import (
+from .commands import add_bench_parser, add_tune_parser, run_bench_command, run_tune_command
+from .demo import add_demo_parser, run_demo
+from .families import REFUSED_ARCHITECTURES, SUPPORT_RULE
+from .options import (
     BUNDLED,
     BUNDLED_CONFIG,
     TARGET_CHOICES,
     THREADS_HELP,
     HelpFormatter,
-    add_bench_parser,
-    add_demo_parser,
-    add_tune_parser,
     check_plotting,
     load_cli_model,
-    run_bench_command,
-    run_demo,
-    run_tune_command,
     set_threads,
     target_path,
 )
-from .families import REFUSED_ARCHITECTURES, SUPPORT_RULE
 from .targets import DEMO_TARGET
 
 

@@ -2,6 +2,7 @@
 
     python -m selfspec.loop_profile --model demo --modes plain,medusa,exit,tree,ngram --gamma 3
     python -m selfspec.loop_profile --model demo --modes plain,medusa,exit --before fbc8173   # against a git ref
+    python -m selfspec.loop_profile --model demo --modes plain,medusa,ngram --compile   # and with compile=True
 
 Each mode runs with a fixed gamma (no adaptive drafting), so that every iteration has the same shape. The
 loop's functions are wrapped for the run (nothing in the library is instrumented): the time inside each is
@@ -14,6 +15,8 @@ the model pass alone over the plain step's pass: the part of v that the hardware
 
 `--before REF` loads the package as it was at git commit REF (from `git archive`) next to the working tree's
 and runs both interleaved, prompt by prompt: the before/after figures come from one run, under one load.
+`--compile` adds each mode that can run compiled (plain, medusa, ngram) with `compile=True`, interleaved with the
+eager runs; its v is over the compiled plain step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .demo import HelpFormatter, add_model_arguments, encode, load_target
+from .options import HelpFormatter, add_model_arguments, encode, load_target
 
 ROOT = "iteration"
 DRAFT_SECTIONS = ("draft", "draft check", "choose drafter")
@@ -61,6 +64,7 @@ WRAPPED = [
     ("stats", "GenerationStats", "record_iteration", "stats"),
     ("adaptive", "DraftController", "update", "stats"),
 ]
+COMPILED_MODES = ("plain", "medusa", "ngram")  # the modes compile=True runs (chains through full passes)
 DRAFTER_METHODS = {"draft": "draft", "draft_tree": "draft", "verify": "verify forward", "verify_tree": "verify forward"}
 
 
@@ -171,8 +175,10 @@ def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object
         heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
         for mode in args.modes.split(","):
             label = mode if package.__name__ == "selfspec" else f"{mode} @{args.before}"
-            spec = package.SelfSpeculative(model, **mode_options(package, mode, heads, args.gamma))
-            runs.append((label, package, spec))
+            options = mode_options(package, mode, heads, args.gamma)
+            runs.append((label, package, package.SelfSpeculative(model, **options)))
+            if args.compile and package.__name__ == "selfspec" and mode in COMPILED_MODES:
+                runs.append((f"{mode} compiled", package, package.SelfSpeculative(model, compile=True, **options)))
     return runs
 
 
@@ -207,10 +213,10 @@ def summarize(timers: dict[str, SectionTimer]) -> tuple[list[str], dict[str, dic
 
 
 def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """v and v(forward) of every run against the plain run of the same package."""
+    """v and v(forward) of every run against the plain run of the same package (and compilation)."""
     out = {}
     for label, row in table.items():
-        plain = table.get(label.replace(label.split(" @")[0], "plain", 1))
+        plain = table.get(label.replace(label.split(" ")[0], "plain", 1))
         if plain is None or label.startswith("plain"):
             continue
         verify = row["total"] - sum(row.get(name, 0.0) for name in DRAFT_SECTIONS)
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (after a warm-up)")
     parser.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     parser.add_argument("--before", help="also time the loop as it was at this git commit, interleaved")
+    parser.add_argument("--compile", action="store_true", help="also time plain, medusa and ngram with compile=True")
     parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's N busiest ops per mode")
     parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
     args = parser.parse_args(argv)

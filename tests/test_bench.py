@@ -4,6 +4,7 @@ against `model.generate`, the figures are consistent with the statistics they co
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -204,3 +205,32 @@ def test_batch_throughput_rows_match_the_padded_batch(model):
         assert row["matched"] is True and row["generate_tokens_per_s"] > 0 and row["selfspec_tokens_per_s"] > 0
         assert row["speedup"] == pytest.approx(row["selfspec_tokens_per_s"] / row["generate_tokens_per_s"])
     assert batch_table(rows).count("| yes |") == 2
+
+
+def test_compiled_contenders_run_exactly_and_are_compared_with_the_compiled_generate(model):
+    """--compile: transformers' static-cache compiled generate and selfspec's compiled chains, in one run; the
+    compiled plain loop is the unit of the compiled contenders' c and v."""
+    from selfspec.bench import compiled_contenders
+
+    contenders = standard_contenders(model, sampling=False, transformers_modes=False)[:2]  # generate, plain loop
+    contenders += compiled_contenders(model)
+    assert [c.name for c in contenders] == [
+        "generate", "selfspec plain loop", "generate compiled", "selfspec plain loop compiled",
+        "selfspec ngram compiled",
+    ]  # fmt: skip
+    prompts = [torch.cat([random_prompt(5, seed=seed)] * 3, dim=1) for seed in (1, 2)]
+    rows = {row["contender"]: row for row in run_bench(contenders, prompts, max_new_tokens=12, progress=False)}
+    assert all(row["matched"] is True for row in rows.values())
+    assert rows["generate compiled"]["vs_compiled_generate"] == pytest.approx(1.0)
+    ngram = rows["selfspec ngram compiled"]
+    assert ngram["vs_compiled_generate"] == pytest.approx(
+        ngram["tokens_per_s"] / rows["generate compiled"]["tokens_per_s"]
+    )
+    compiled_plain = next(c for c in contenders if c.name == "selfspec plain loop compiled")
+    step = statistics.median(s / t for t, s in zip(compiled_plain.tokens, compiled_plain.seconds, strict=True))
+    stats = next(c for c in contenders if c.name == "selfspec ngram compiled").stats
+    passes = sum(s["iterations"] for s in stats)
+    assert ngram["v"] == pytest.approx(sum(s["verify_seconds"] for s in stats) / passes / step)
+    assert "vs generate compiled" in markdown_table(list(rows.values()))
+    eager_only = {key: value for key, value in rows["generate"].items() if key != "vs_compiled_generate"}
+    assert "vs generate compiled" not in markdown_table([eager_only])  # no column where no figure applies

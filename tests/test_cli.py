@@ -12,7 +12,7 @@ import pytest
 from selfspec import cli
 from selfspec.cli import build_parser, bundled_heldout, main
 from selfspec.config import TrainHeadsConfig, load_config
-from selfspec.demo import BUNDLED, BUNDLED_CONFIG
+from selfspec.options import BUNDLED, BUNDLED_CONFIG
 
 
 def help_text(command: str, capsys) -> str:

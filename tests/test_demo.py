@@ -15,10 +15,10 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec import bench, demo
+from selfspec import bench, demo, options
 from selfspec.bench import Contender
 from selfspec.cli import build_parser, main
-from selfspec.demo import demo_dtype, greedy_check, load_target
+from selfspec.demo import demo_dtype, greedy_check
 from selfspec.heads import EagleHeads
 from selfspec.targets import DEMO_TARGET, KNOWN_TARGETS
 from selfspec.ties import TIE
@@ -42,7 +42,7 @@ def test_the_demo_defaults_to_smollm2_in_bfloat16_and_bench_to_the_toy_target():
         assert build_parser().parse_args([command]).model is None
     folder = KNOWN_TARGETS[DEMO_TARGET].folder  # what the demo picks up for it, without loading the model
     assert KNOWN_TARGETS[DEMO_TARGET].default_heads() == [str(folder / "eagle-head")]
-    assert demo.default_prompts(folder) == folder / "prompts.jsonl" and (folder / "draft_vocab.json").is_file()
+    assert options.default_prompts(folder) == folder / "prompts.jsonl" and (folder / "draft_vocab.json").is_file()
 
 
 def test_the_demo_names_the_extra_when_smollm2_is_missing(monkeypatch):
@@ -151,9 +151,9 @@ def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypa
         loaded.update(name=name, dtype=dtype)
         raise SystemExit("stop before loading")
 
-    monkeypatch.setattr(demo, "load_cli_model", load_model)
+    monkeypatch.setattr(options, "load_cli_model", load_model)
     args = build_parser().parse_args(["demo"])
     args.dtype = demo_dtype(args.model)
     with pytest.raises(SystemExit, match="stop before loading"):
-        load_target(args)
+        options.load_target(args)
     assert loaded == {"name": "smollm2-135m-instruct", "dtype": "bfloat16"}

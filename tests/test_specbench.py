@@ -15,7 +15,7 @@ from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
 from selfspec.bench import Contender, added_memory
 from selfspec.cli import main
-from selfspec.demo import encode
+from selfspec.options import encode
 from selfspec.specbench import (
     ChatPrompt,
     category_report,

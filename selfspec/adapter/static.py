@@ -22,7 +22,7 @@ layer cannot roll back), drafters that do not run the target's layers themselves
 from __future__ import annotations
 
 import torch
-from transformers import StaticCache
+from transformers import CompileConfig, StaticCache
 
 from .core import ModelAdapter, UnsupportedModelError
 
@@ -49,6 +49,14 @@ def _one_position(model, keyword, input_ids, position_ids, cache):  # its own co
 
 def _many_positions(model, keyword, input_ids, position_ids, cache):
     return _full_pass(model, keyword, input_ids, position_ids, cache)
+
+
+def compiled_generate_options() -> dict:
+    """Keyword arguments that make `model.generate` run compiled as `compile=True` does (transformers' static cache,
+    torch.compile with inductor and whole graphs), on any device: the baseline a compiled selfspec is measured by."""
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless this is set
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 class CompiledAdapter(ModelAdapter):

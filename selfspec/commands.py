@@ -1,0 +1,226 @@
+"""`selfspec bench` and `selfspec tune` on the command line: load the target (`selfspec.options`), run
+`selfspec.bench` or `selfspec.tune`, print and write the results. Without --model they run on the bundled toy target."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .bench import (
+    compiled_contenders,
+    generate_contender,
+    markdown_table,
+    plot_speedups,
+    run_bench,
+    selfspec_contender,
+    standard_contenders,
+    write_json,
+)
+from .heads import EagleHeads, ExitHeads, MedusaHeads
+from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
+from .specbench import (
+    categories_of,
+    category_report,
+    first_per_category,
+    summarize_by_category,
+)
+from .speculative import SelfSpeculative
+from .targets import (
+    DEFAULT_TARGET,
+    default_heads,
+)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    import platform
+
+    import transformers
+
+    if not args.batch_sizes:
+        check_plotting()
+    model, tokenizer, heads, prompts, vocab = load_target(args)
+    if args.limit_per_category is not None:
+        try:
+            prompts = first_per_category(prompts, args.limit_per_category)
+        except ValueError as error:
+            raise SystemExit(f"--limit_per_category: {error}") from error
+    prompts = prompts[: args.num_prompts]
+    inputs = encode(tokenizer, prompts, model.device)
+    if args.batch_sizes:
+        return run_batch_bench(args, model, heads, inputs, vocab)
+    layers = [int(x) for x in args.assistant_exit_layers.split(",")] if args.assistant_exit_layers else None
+    contenders = standard_contenders(
+        model,
+        heads.get(ExitHeads),
+        heads.get(MedusaHeads),
+        assistant_exit_layers=layers,
+        temperature=args.temperature,
+        sampling=not args.no_sampling,
+        transformers_modes=not args.no_transformers,
+        draft_vocab=vocab,
+        untrained_exit_layer=args.untrained_exit_layer,
+        eagle_heads=heads.get(EagleHeads),
+    )
+    if args.compile:
+        contenders += compiled_contenders(model, heads.get(MedusaHeads), heads.get(EagleHeads), vocab)
+    if args.only:
+        wanted = [part.strip() for part in args.only.split(",") if part.strip()]
+        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in wanted)]
+    rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+    by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
+    table = category_report(by_category, prompts) if by_category else markdown_table(rows)
+    print(table)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else None,
+        "model": str(args.model or BUNDLED),
+        "heads": [str(h) for h in args.heads or []],
+        "draft_vocab": len(vocab) if vocab else None,
+        "prompts": len(inputs),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    write_json(rows, output / "bench.json", meta)
+    if by_category:
+        flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
+        write_json(flat, output / "bench_by_category.json", meta)
+    (output / "bench.md").write_text(table + "\n", encoding="utf-8")
+    plot_speedups(rows, output / "bench.png", f"{Path(str(args.model or BUNDLED)).name} on {meta['device']}")
+    names = ["bench.json", *(["bench_by_category.json"] if by_category else []), "bench.md", "bench.png"]
+    print("wrote " + ", ".join(str(output / name) for name in names))
+    mismatched = [row["contender"] for row in rows if row["matched"] is False]
+    if mismatched:
+        print(f"GREEDY OUTPUT DIFFERS from model.generate: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="tokens/s of selfspec's modes against model.generate and its peers", formatter_class=HelpFormatter
+    )
+    add_model_arguments(bench, bundled=True)
+    bench.add_argument(
+        "--output",
+        default="runs/bench",
+        help="folder for bench.json, bench.md and bench.png (bench_batch.json and bench_batch.md with --batch_sizes)",
+    )
+    bench.add_argument("--num_prompts", type=int, help="prompts used (the first N; default: all)")
+    bench.add_argument(
+        "--limit_per_category",
+        type=int,
+        help="Spec-Bench prompts: the first N of each category (MT-bench's eight count as one), for a quick run",
+    )
+    bench.add_argument("--repeats", type=int, default=2, help="runs per prompt and contender (medians reported)")
+    bench.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling contenders")
+    bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
+    bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
+    bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    bench.add_argument("--untrained_exit_layer", type=int, help="depth of the untrained-exit contender")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run compiled: model.generate with transformers' static cache and torch.compile, and selfspec's "
+        "chains with compile=True (each compiles on its first calls, untimed)",
+    )
+    bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
+    bench.add_argument(
+        "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
+    )
+
+
+def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
+    """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
+    from .bench import batch_table, batch_throughput
+
+    medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
+    if medusa is not None:
+        spec, label = SelfSpeculative(model, heads=medusa, tree=[], draft_vocab=vocab), "Medusa chain"
+    else:
+        spec, label = SelfSpeculative(model, heads=exit_heads, draft_vocab=vocab), "exit layer"
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    rows = batch_throughput(spec, inputs, sizes, args.max_new_tokens, repeats=args.repeats)
+    table = batch_table(rows)
+    print(f"selfspec: {label}{', draft vocabulary ' + str(len(vocab)) if vocab else ''}, adaptive gamma\n{table}")
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
+    write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
+    return 0 if all(row["matched"] for row in rows) else 1
+
+
+def add_tune_parser(commands) -> None:
+    tune = commands.add_parser(
+        "tune",
+        help="pick exit layer, gamma and tree from measured alpha, c and v; write them into the heads",
+        formatter_class=HelpFormatter,
+    )
+    add_model_arguments(tune, bundled=True)
+    tune.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
+    tune.add_argument("--max_gamma", type=int, default=8, help="largest gamma considered for early exit")
+    tune.add_argument("--do_sample", action="store_true", help="tune for sampling (default: greedy)")
+    tune.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions of c and v (median)")
+    tune.add_argument("--measure_grid", action="store_true", help="also time the candidates against model.generate")
+    tune.add_argument("--dry_run", action="store_true", help="print the choice without writing it into the heads")
+    tune.add_argument("--batch_sizes", default="1",
+                      help="batch sizes to fit the position cost r at, comma-separated (e.g. 1,4,16,64: those you "
+                      "generate with); one r per size, interpolated between them")  # fmt: skip
+
+
+def run_tune_command(args: argparse.Namespace) -> int:
+    from .heads import CARD_NAME
+    from .tune import apply_choice, format_choices, tune, tuned_card
+
+    model, tokenizer, heads, prompts, vocab = load_target(args)
+    if not heads:
+        raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
+    inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
+    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(","))
+    paths = args.heads or default_heads(args.model or DEFAULT_TARGET)
+    for path, draft_heads in zip(paths, heads.values(), strict=True):
+        choices, position_cost = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
+                       args.timing_repeats, vocab, batch_sizes)  # fmt: skip
+        measured = (
+            measure_grid(model, draft_heads, choices, inputs, args.max_new_tokens, vocab) if args.measure_grid else None
+        )
+        table = format_choices(choices, measured)
+        best = choices[0]
+        print(f"\n{path}:\n{table}\n\nchoice: {best.label}, predicted speedup {best.predicted:.2f}x")
+        per_size = position_cost if isinstance(position_cost, dict) else {1: position_cost}
+        costs = ", ".join(f"{r:.3f} at {rows} row(s)" for rows, r in per_size.items())
+        print(f"position cost r = {costs} (v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows))")
+        if measured:
+            top = max(measured.values())
+            print(f"measured: the choice {measured[best.label]:.2f}x, the best candidate {top:.2f}x "
+                  f"({measured[best.label] / top:.1%} of it)")  # fmt: skip
+        if best.predicted <= 1.0:
+            print("no configuration is predicted to beat plain decoding here; adaptive drafting will fall back to it")
+        if not args.dry_run:
+            apply_choice(draft_heads, best, position_cost)
+            card_path = Path(path) / CARD_NAME
+            card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
+            command = "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else "selfspec tune"
+            draft_heads.save_pretrained(path, card=tuned_card(card, table, best, command))
+            print(f"wrote the defaults into {Path(path) / 'config.json'}")
+    return 0
+
+
+def measure_grid(model, heads, choices, inputs, max_new_tokens: int, vocab) -> dict[str, float]:
+    """Realised speedup over model.generate of a grid of the candidates (gamma 1, 2, 3, 4, 6, 8 and trees)."""
+    grid = [c for c in choices if c.tree is not None or c.gamma in (1, 2, 3, 4, 6, 8)]
+    contenders = [generate_contender(model, "generate", False, 1.0)]
+    contenders += [selfspec_contender(model, c.label, False, 1.0, draft_vocab=vocab, heads=heads, **c.options())
+                   for c in grid]  # fmt: skip
+    rows = run_bench(contenders, inputs, max_new_tokens)
+    return {row["contender"]: row["speedup"] for row in rows[1:]}
