@@ -15,7 +15,7 @@ the model pass alone over the plain step's pass: the part of v that the hardware
 
 `--before REF` loads the package as it was at git commit REF (from `git archive`) next to the working tree's
 and runs both interleaved, prompt by prompt: the before/after figures come from one run, under one load.
-`--compile` adds each mode that can run compiled (plain, medusa, ngram) with `compile=True`, interleaved with the
+`--compile` adds each mode that can run compiled (plain, medusa, ngram, eagle) with `compile=True`, interleaved with the
 eager runs; its v is over the compiled plain step.
 """
 
@@ -64,7 +64,7 @@ WRAPPED = [
     ("stats", "GenerationStats", "record_iteration", "stats"),
     ("adaptive", "DraftController", "update", "stats"),
 ]
-COMPILED_MODES = ("plain", "medusa", "ngram")  # the modes compile=True runs (chains through full passes)
+COMPILED_MODES = ("plain", "medusa", "ngram", "eagle")  # the modes compile=True runs (chains through full passes)
 DRAFTER_METHODS = {"draft": "draft", "draft_tree": "draft", "verify": "verify forward", "verify_tree": "verify forward"}
 
 
@@ -162,7 +162,9 @@ def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
         return {"heads": heads["medusa"], "tree": [], **chain}
     if mode == "tree":
         return {"heads": heads["medusa"], "tree": package.bench.tree_for(heads["medusa"])}
-    raise SystemExit(f"unknown mode {mode!r}: plain, medusa, exit, tree or ngram")
+    if mode == "eagle":
+        return {"heads": heads["eagle"], **chain}
+    raise SystemExit(f"unknown mode {mode!r}: plain, medusa, exit, tree, ngram or eagle")
 
 
 def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object]]:
@@ -278,22 +280,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_model_arguments(parser, bundled=True)
     parser.set_defaults(max_new_tokens=64)
-    parser.add_argument("--modes", default="plain,medusa,exit,tree,ngram", help="plain, medusa, exit, tree, ngram")
+    parser.add_argument(
+        "--modes", default="plain,medusa,exit,tree,ngram", help="plain, medusa, exit, tree, ngram, eagle"
+    )
     parser.add_argument("--gamma", type=int, default=3, help="drafts per iteration of the chain modes")
     parser.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (after a warm-up)")
     parser.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     parser.add_argument("--before", help="also time the loop as it was at this git commit, interleaved")
-    parser.add_argument("--compile", action="store_true", help="also time plain, medusa and ngram with compile=True")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time plain, medusa, ngram and eagle with compile=True"
+    )
     parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's N busiest ops per mode")
     parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
     args = parser.parse_args(argv)
     model, tokenizer, heads, prompt_texts, _ = load_target(args)
-    from .heads import ExitHeads, MedusaHeads
+    from .heads import EagleHeads, ExitHeads, MedusaHeads
     from .targets import default_heads
 
     paths = args.heads or default_heads(args.model or "demo")
-    kinds = {ExitHeads: "exit", MedusaHeads: "medusa"}
+    kinds = {ExitHeads: "exit", MedusaHeads: "medusa", EagleHeads: "eagle"}
     heads_paths = {kinds[type(loaded)]: path for path, loaded in zip(paths, heads.values(), strict=True)}
     prompts = encode(tokenizer, prompt_texts[: args.num_prompts], model.device)
     runs = build_runs(args, model, heads_paths)

@@ -13,8 +13,8 @@ import torch
 from selfspec import targets
 from selfspec.adapter import ModelAdapter
 from selfspec.cli import build_parser, main
-from selfspec.options import load_target
 from selfspec.heads import EagleHeads, ExitHeads, MedusaHeads
+from selfspec.options import load_target
 from selfspec.targets import (
     KNOWN_TARGETS,
     TargetError,

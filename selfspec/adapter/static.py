@@ -109,6 +109,12 @@ class CompiledAdapter(ModelAdapter):
         self._eager_next = True
         return self._cache
 
+    @staticmethod
+    def crop(cache, num_tokens: int) -> None:
+        """Move every layer's write pointer back by `num_tokens` (nothing to do for 0: no window to trim)."""
+        if num_tokens:
+            ModelAdapter.crop(cache, num_tokens)
+
     def forward(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0) -> torch.Tensor:
         return self.forward_capturing(input_ids, position_ids, cache, attention_mask, (), logits_to_keep)[0]
 
