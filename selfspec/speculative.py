@@ -82,8 +82,10 @@ class SelfSpeculative:
             cache: one graph for plain steps, one for verify passes of any width (`selfspec.adapter.static`); a
             dict gives `torch.compile` options, e.g. {"mode": "reduce-overhead"} for CUDA graphs. The first calls
             compile (tens of seconds on a CPU). One prompt at a time, chains only, drafters that do not run the
-            target's layers themselves (n-gram lookup, Medusa and EAGLE heads, hybrids of them), models without
-            sliding-window layers. Greedy output stays token-identical to `model.generate`. Default: False.
+            target's layers themselves (n-gram lookup, Medusa and EAGLE heads, hybrids of them; a drafter of your
+            own must not run the target on the cache in `draft`), models without sliding-window layers; calls on
+            one instance must not overlap (one cache). Greedy output stays token-identical to `model.generate` in
+            float32 (tested), and in half precision up to ties (see the README). Default: False.
     """
 
     def __init__(
@@ -183,7 +185,8 @@ class SelfSpeculative:
         for part in self.drafters if self.num_draft_tokens else []:
             if part.tree is not None:
                 raise ValueError(
-                    f"compile=True verifies chains; {part.name} drafts a tree (tree=[] drafts a Medusa chain)."
+                    f"compile=True verifies chains; {part.name} drafts a tree (Medusa heads: tree=[] drafts a chain; "
+                    "EAGLE heads: leave tree out)."
                 )
             if type(part).verify is not Drafter.verify:
                 raise ValueError(
@@ -227,11 +230,13 @@ class SelfSpeculative:
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
         if input_ids.shape[0] > 1:
             self._check_batch(setup)
-            if self.compiled:
-                raise UnsupportedGenerationArgument(
-                    f"compile=True decodes one prompt at a time (got {input_ids.shape[0]}): its static cache and "
-                    "graphs are built for batch 1. Loop over the prompts, or use compile=False for batches."
-                )
+        mask = setup.attention_mask
+        if self.compiled and (input_ids.shape[0] > 1 or (mask is not None and bool((mask == 0).any()))):
+            raise UnsupportedGenerationArgument(
+                f"compile=True decodes one unpadded prompt at a time (got {input_ids.shape[0]} row(s)"
+                f"{', with padding' if input_ids.shape[0] == 1 else ''}): its static cache and graphs are built for "
+                "batch 1. Loop over the prompts without padding, or use compile=False for batches."
+            )
         max_positions = self.adapter.max_positions
         if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
             raise ValueError(

@@ -12,7 +12,7 @@ from test_sampling_exactness import PROMPT, VOCAB, chi_square_pvalue, exact_law,
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import Drafter, SelfSpeculative
-from selfspec.adapter import UnsupportedModelError
+from selfspec.adapter import UnsupportedModelError, static
 from selfspec.adapter.static import ROOM
 from selfspec.generation import UnsupportedGenerationArgument
 
@@ -56,6 +56,23 @@ def test_a_call_longer_than_the_cache_gets_a_larger_one():
     prompt = random_prompt(ROOM - 20, seed=3)
     assert_exact(model, spec, prompt, max_new_tokens=40)  # prompt + new tokens > ROOM positions
     assert spec.adapter.new_cache(ROOM + 1) is not short
+
+
+def test_caches_of_many_sizes_share_the_graphs_without_hitting_the_recompile_limit(monkeypatch):
+    """Ten cache sizes on one model (more than torch.compile's 8 recompilations, a hard error with whole graphs):
+    the one-position graph makes the cache length dynamic after the second size, and a growing cache doubles."""
+    monkeypatch.setattr(static, "ROOM", 16)
+    model = tiny_model("llama", seed=5)
+    for length in range(4, 164, 16):  # capacities 16, 32, ..., 160 positions: a new size each time
+        spec = SelfSpeculative(model, drafter="ngram", compile=True)  # a new adapter: its cache is sized anew
+        assert_exact(model, spec, random_prompt(length, seed=length), max_new_tokens=6)
+    size = spec.adapter.new_cache(1).layers[0].max_cache_len
+    grown = spec.adapter.new_cache(size + 1)
+    assert grown.layers[0].max_cache_len == 2 * size  # doubled, not just rounded up
+    assert_exact(model, spec, random_prompt(7), max_new_tokens=6)  # allocates the grown cache in float32
+    assert spec.adapter.new_cache(10) is grown  # reused while it fits
+    model.to(torch.float64)  # a cache allocated in float32 no longer fits the model: a new one
+    assert spec.adapter.new_cache(10) is not grown
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gemma"])
@@ -106,8 +123,10 @@ def test_what_it_cannot_run_is_refused():
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         SelfSpeculative(tiny_model("mistral"), drafter="ngram", compile=True)
     spec = SelfSpeculative(model, drafter="ngram", compile=True)
-    with pytest.raises(UnsupportedGenerationArgument, match="one prompt at a time"):
+    with pytest.raises(UnsupportedGenerationArgument, match="one unpadded prompt at a time"):
         spec.generate(torch.cat([random_prompt(5)] * 2), max_new_tokens=4)
+    with pytest.raises(UnsupportedGenerationArgument, match="with padding"):
+        spec.generate(random_prompt(5), attention_mask=torch.tensor([[0, 1, 1, 1, 1]]), max_new_tokens=4)
     last = model.config.num_hidden_layers - 1
     with pytest.raises(ValueError, match=f"not {last}"):
         SelfSpeculative(model, drafter=LastLayerDrafter(last), compile=True)

@@ -7,10 +7,12 @@ fused kernels (inductor's C++ backend on a CPU; Triton, and CUDA graphs with `mo
 - The cache is transformers' `StaticCache`: allocated once, written in place. Rolling back a rejected draft
   moves each layer's write pointer back (`crop`); the entries past it are stale but never seen: a query at
   sequence index i attends to keys at indices <= i, and the indices between the committed length and i are
-  written by the same pass. The cache is kept between calls and reset (a larger one replaces it when a call
-  needs more room), so its shape, and the compiled code, stay the same from call to call.
-- Two graphs: one position (a plain step) and 2..n positions with the width as a dynamic dimension (a verify
-  pass), so gamma may change every iteration without a recompilation. A call's prefill runs eagerly.
+  written by the same pass. The cache is kept between calls and reset; a call that needs more room gets one at
+  least twice as large, so that a growing conversation changes its size rarely. One cache per adapter: calls
+  on one `SelfSpeculative` must not overlap (from several threads).
+- Two graphs: one position (a plain step; a cache of a new size recompiles it once, after which its length is
+  a dynamic dimension too) and 2..n positions with the width as a dynamic dimension (a verify pass), so gamma
+  may change every iteration without a recompilation. A call's prefill runs eagerly.
 - Drafters' hidden states come from `output_hidden_states` (entry k + 1 is decoder layer k's output, the last
   is the final norm's output), so no hook is added or removed around compiled code. The last decoder layer's
   output before the final norm is therefore not available.
@@ -21,6 +23,9 @@ layer cannot roll back), drafters that do not run the target's layers themselves
 
 from __future__ import annotations
 
+import types
+import weakref
+
 import torch
 from transformers import CompileConfig, StaticCache
 
@@ -30,25 +35,44 @@ FINAL = "final"  # the normed last hidden state (selfspec.drafter.FINAL)
 ROOM = 256  # static caches are sized in multiples of this, so that nearby lengths share one cache and one graph
 
 
-def _full_pass(model, keyword: str, input_ids, position_ids, cache, logits_to_keep: int = 0):
-    """(logits, every hidden state) of one pass; `keyword`: the forward's name for the cache argument."""
+def _full_pass(model, keyword: str, input_ids, position_ids, cache, hidden: bool, logits_to_keep: int = 0):
+    """(logits, every hidden state if `hidden`, else None) of one pass; `keyword`: the forward's name for the cache
+    argument."""
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
         use_cache=True,
-        output_hidden_states=True,
+        output_hidden_states=hidden,
         logits_to_keep=logits_to_keep,
         **{keyword: cache},
     )
     return out.logits, out.hidden_states
 
 
-def _one_position(model, keyword, input_ids, position_ids, cache):  # its own code object: its own compile cache
-    return _full_pass(model, keyword, input_ids, position_ids, cache)
+def _one_position(model, keyword, input_ids, position_ids, cache, hidden):
+    return _full_pass(model, keyword, input_ids, position_ids, cache, hidden)
 
 
-def _many_positions(model, keyword, input_ids, position_ids, cache):
-    return _full_pass(model, keyword, input_ids, position_ids, cache)
+def _many_positions(model, keyword, input_ids, position_ids, cache, hidden):
+    return _full_pass(model, keyword, input_ids, position_ids, cache, hidden)
+
+
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {options: (one position, many)}
+
+
+def _compiled_passes(model, options: dict):
+    """The two compiled pass functions of `model` (shared by every adapter of it with these options). Each model
+    gets copies with code objects of their own: torch.compile keeps its graphs, and its limit of recompilations
+    (a hard error with whole graphs), per code object, so other models' graphs never count against this one's."""
+    key = repr(sorted(options.items()))
+    per_model = _GRAPHS.setdefault(model, {})
+    if key not in per_model:
+        one, many = (types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
+                     for f in (_one_position, _many_positions))  # fmt: skip
+        # one position: static until a second cache size is seen, then the cache length is dynamic (automatic)
+        per_model[key] = (torch.compile(one, dynamic=None, fullgraph=True, **options),
+                          torch.compile(many, dynamic=True, fullgraph=True, **options))  # fmt: skip
+    return per_model[key]
 
 
 def compiled_generate_options() -> dict:
@@ -83,8 +107,7 @@ class CompiledAdapter(ModelAdapter):
                 f"compile=True uses a static cache, and {self.model_type} has sliding-window attention layers, whose "
                 "static form cannot roll back a rejected draft; use compile=False for this model."
             )
-        self._one = torch.compile(_one_position, dynamic=False, fullgraph=True, **options)
-        self._many = torch.compile(_many_positions, dynamic=True, fullgraph=True, **options)
+        self._one, self._many = _compiled_passes(self.model, options)
         self._cache: StaticCache | None = None
         self._eager_next = True  # the next pass is a prefill: run it eagerly
 
@@ -99,11 +122,16 @@ class CompiledAdapter(ModelAdapter):
                 )
 
     def new_cache(self, capacity: int | None = None) -> StaticCache:
-        """The static cache, reset, with room for `capacity` positions (sized up to a multiple of ROOM)."""
+        """The static cache, reset, with room for `capacity` positions: a new one (a multiple of ROOM, at least twice
+        the old size) when the old one is too small or no longer matches the model's dtype or device."""
         if capacity is None:
             raise ValueError("A static cache needs the number of positions it must hold (capacity).")
-        if self._cache is None or self._cache.layers[0].max_cache_len < capacity:
-            self._cache = StaticCache(config=self.config, max_cache_len=-(-capacity // ROOM) * ROOM)
+        old = self._cache.layers[0] if self._cache is not None else None
+        keys = getattr(old, "keys", None)  # allocated by the first pass
+        stale = keys is not None and (keys.dtype != self.dtype or keys.device != self.device)
+        if old is None or old.max_cache_len < capacity or stale:
+            size = max(-(-capacity // ROOM) * ROOM, 2 * old.max_cache_len if old is not None and not stale else 0)
+            self._cache = StaticCache(config=self.config, max_cache_len=size)
         else:
             self._cache.reset()
         self._eager_next = True
@@ -124,16 +152,18 @@ class CompiledAdapter(ModelAdapter):
             return super().forward_capturing(input_ids, position_ids, cache, attention_mask, layers, logits_to_keep)
         if attention_mask is not None:
             raise NotImplementedError("compile=True verifies one unpadded prompt's chain: no attention mask.")
+        hidden = bool(layers)  # the n-gram drafter and the plain loop read none: the graphs then return none
         if self._eager_next:  # the prefill (its length varies); also installs transformers' capture hooks
             self._eager_next = False
-            logits, states = _full_pass(self.model, self._cache_keyword, input_ids, position_ids, cache, logits_to_keep)
+            logits, states = _full_pass(self.model, self._cache_keyword, input_ids, position_ids, cache, hidden,
+                                        logits_to_keep)  # fmt: skip
         else:
             run = self._one if input_ids.shape[1] == 1 else self._many
             # standard strides: slices of the sequences have strides that change every step, and strides are guarded
             input_ids, position_ids = (
                 value.clone(memory_format=torch.contiguous_format) for value in (input_ids, position_ids)
             )
-            logits, states = run(self.model, self._cache_keyword, input_ids, position_ids, cache)
+            logits, states = run(self.model, self._cache_keyword, input_ids, position_ids, cache, hidden)
             if logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
         hidden = {layer: states[-1] if layer == FINAL else states[layer + 1] for layer in layers}
