@@ -29,9 +29,9 @@ import weakref
 import torch
 from transformers import CompileConfig, StaticCache
 
+from ..drafter import FINAL
 from .core import ModelAdapter, UnsupportedModelError
 
-FINAL = "final"  # the normed last hidden state (selfspec.drafter.FINAL)
 ROOM = 256  # static caches are sized in multiples of this, so that nearby lengths share one cache and one graph
 
 
@@ -49,26 +49,20 @@ def _full_pass(model, keyword: str, input_ids, position_ids, cache, hidden: bool
     return out.logits, out.hidden_states
 
 
-def _one_position(model, keyword, input_ids, position_ids, cache, hidden):
-    return _full_pass(model, keyword, input_ids, position_ids, cache, hidden)
-
-
-def _many_positions(model, keyword, input_ids, position_ids, cache, hidden):
-    return _full_pass(model, keyword, input_ids, position_ids, cache, hidden)
-
-
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {options: (one position, many)}
 
 
 def _compiled_passes(model, options: dict):
-    """The two compiled pass functions of `model` (shared by every adapter of it with these options). Each model
-    gets copies with code objects of their own: torch.compile keeps its graphs, and its limit of recompilations
-    (a hard error with whole graphs), per code object, so other models' graphs never count against this one's."""
+    """The two compiled pass functions of `model` (shared by every adapter of it with these options): copies of
+    `_full_pass` with code objects of their own. torch.compile keeps its graphs, and its limit of recompilations (a
+    hard error with whole graphs), per code object, so the two graphs and other models' never count against each
+    other."""
     key = repr(sorted(options.items()))
     per_model = _GRAPHS.setdefault(model, {})
     if key not in per_model:
-        one, many = (types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
-                     for f in (_one_position, _many_positions))  # fmt: skip
+        code, defaults = _full_pass.__code__, _full_pass.__defaults__
+        one, many = (types.FunctionType(code.replace(), _full_pass.__globals__, name, defaults)
+                     for name in ("one_position", "many_positions"))  # fmt: skip
         # one position: static until a second cache size is seen, then the cache length is dynamic (automatic)
         per_model[key] = (torch.compile(one, dynamic=None, fullgraph=True, **options),
                           torch.compile(many, dynamic=True, fullgraph=True, **options))  # fmt: skip
