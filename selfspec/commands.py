@@ -21,17 +21,9 @@ from .bench import (
 )
 from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .specbench import (
-    categories_of,
-    category_report,
-    first_per_category,
-    summarize_by_category,
-)
+from .specbench import categories_of, category_report, first_per_category, summarize_by_category
 from .speculative import SelfSpeculative
-from .targets import (
-    DEFAULT_TARGET,
-    default_heads,
-)
+from .targets import DEFAULT_TARGET, default_heads
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

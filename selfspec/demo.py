@@ -30,20 +30,14 @@ from .bench import (
 )
 from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .options import HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .targets import (
-    DEMO_TARGET,
-)
+from .targets import DEMO_TARGET
 from .ties import TIE, TIE_STEPS
 
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
-
-
 # How the demo runs SmolLM2-135M-Instruct (other targets: float32 and every mode their heads allow). bfloat16: on a
 # CPU its decoding is bound by reading the weights, so a verify pass over a few positions costs about one step.
 # Its best modes only: each mode costs a run of a 135M model, and the demo is to stay under about 3 minutes.
 DEMO_DTYPES = {DEMO_TARGET: "bfloat16"}
-
-
 BEST_MODES_ONLY = {DEMO_TARGET}
 
 

@@ -10,29 +10,12 @@ import torch
 
 from .adapter import read_token_ids
 from .heads import DraftHeads, load_heads
-from .specbench import (
-    ChatPrompt,
-    read_prompts,
-)
-from .targets import (
-    DEFAULT_TARGET,
-    DEMO_TARGET,
-    KNOWN_TARGETS,
-    TargetError,
-    default_heads,
-    load_model,
-    target_folder,
-)
+from .specbench import ChatPrompt, read_prompts
+from .targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-
-
 BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
-
-
 BUNDLED_CONFIG = REPOSITORY / "configs" / "train_heads_demo.yaml"  # lists the demo target's held-out files
-
-
 THREADS_HELP = (
     "torch CPU threads; 0: torch's default (one per core). One by default: a small model at batch 1 gains little "
     "from more, and on a busy machine threads that wait for a core slow every step down"
