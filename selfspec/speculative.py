@@ -230,13 +230,6 @@ class SelfSpeculative:
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
         if input_ids.shape[0] > 1:
             self._check_batch(setup)
-        mask = setup.attention_mask
-        if self.compiled and (input_ids.shape[0] > 1 or (mask is not None and bool((mask == 0).any()))):
-            raise UnsupportedGenerationArgument(
-                f"compile=True decodes one unpadded prompt at a time (got {input_ids.shape[0]} row(s)"
-                f"{', with padding' if input_ids.shape[0] == 1 else ''}): its static cache and graphs are built for "
-                "batch 1. Loop over the prompts without padding, or use compile=False for batches."
-            )
         max_positions = self.adapter.max_positions
         if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
             raise ValueError(
@@ -385,6 +378,12 @@ class SelfSpeculative:
         (drawn from that pass, not committed yet), its processed scores and its logits."""
         mask = setup.attention_mask
         padded = mask is not None and bool((mask == 0).any())
+        if self.compiled and (input_ids.shape[0] > 1 or padded):
+            raise UnsupportedGenerationArgument(
+                f"compile=True decodes one unpadded prompt at a time (got {input_ids.shape[0]} row(s)"
+                f"{', with padding' if input_ids.shape[0] == 1 else ''}): its static cache and graphs are built for "
+                "batch 1. Loop over the prompts without padding, or use compile=False for batches."
+            )
         if padded:
             mask = mask.to(input_ids.device)
             if bool((mask[:, :-1] > mask[:, 1:]).any()):
