@@ -9,6 +9,7 @@ from .heads import DraftHeads, EagleHeads, ExitHead, ExitHeads, HeadsMismatchErr
 from .ngram import NGramDrafter
 from .speculative import SelfSpeculative
 from .stats import GenerationStats
+from .suffix import SuffixDrafter
 from .targets import KNOWN_TARGETS, load_known_target, load_model
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "MedusaHeads",
     "NGramDrafter",
     "SelfSpeculative",
+    "SuffixDrafter",
     "UnsupportedGenerationArgument",
     "UnsupportedModelError",
     "Verified",

@@ -76,6 +76,7 @@ class DraftController:
     draft_cost: float  # c
     verify_cost: float = 1.0  # v at one row, for every gamma, when position_cost is 0
     position_cost: PositionCost = 0.0  # r: what one more position adds to a pass, over its fixed cost (see below)
+    verify_costs: tuple[float, ...] | None = None  # v by gamma, measured at the call's batch size: overrides both
     decay: float = 0.9  # weight of the past per iteration: about the last ten iterations count
     prior_alpha: float = 0.5  # what alpha is taken to be before any evidence ...
     prior_weight: float = 2.0  # ... worth this many tested positions
@@ -102,7 +103,11 @@ class DraftController:
         rows x (gamma + 1) positions against a plain step over `rows`: (1 + r rows (gamma+1)) / (1 + r rows).
         r = 0 (memory-bound decoding) gives `verify_cost` at every batch size. r may depend on the batch size
         (measured per size by `selfspec tune`): where a device verifies a wide batch's positions almost for free,
-        the r fitted at one row (per-pass overhead, mostly) would starve drafting there."""
+        the r fitted at one row (per-pass overhead, mostly) would starve drafting there. Measured `verify_costs`
+        (`selfspec.verify_cost`) win over both: taken at the batch size the call started with, they overstate v a
+        little once rows have finished, which errs towards drafting less."""
+        if self.verify_costs is not None:
+            return self.verify_costs[min(gamma, len(self.verify_costs) - 1)]
         r = position_cost_at(self.position_cost, rows)
         if r == 0.0:
             return self.verify_cost

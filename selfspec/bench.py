@@ -29,6 +29,7 @@ from .adaptive import predicted_speedup
 from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .speculative import SelfSpeculative
 from .stats import sum_stats
+from .suffix import SuffixDrafter
 from .ties import TIE, compare_greedy
 
 # A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.
@@ -163,6 +164,10 @@ def standard_contenders(
     field_.append(selfspec_contender(model, "selfspec plain loop", False, temperature, num_draft_tokens=0))
     lookup = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}  # transformers' prompt lookup settings
     field_.append(selfspec_contender(model, "selfspec ngram", False, temperature, drafter="ngram", **lookup))
+    # without its memory across calls: a repeat of a prompt would draft the prompt's own earlier answer
+    # (`selfspec bench --workload repeated` measures the memory)
+    field_.append(selfspec_contender(model, "selfspec suffix", False, temperature,
+                                     drafter=SuffixDrafter(max_cached_requests=0)))  # fmt: skip
     if exit_heads is not None:
         field_.append(selfspec_contender(model, "selfspec hybrid ngram + exit trained", False, temperature,
                                          drafter="hybrid", heads=exit_heads, **lookup))  # fmt: skip

@@ -21,7 +21,7 @@ from .bench import (
 )
 from .heads import EagleHeads, ExitHeads, MedusaHeads
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .specbench import categories_of, category_report, first_per_category, summarize_by_category
+from .specbench import ChatPrompt, categories_of, category_report, first_per_category, summarize_by_category
 from .speculative import SelfSpeculative
 from .targets import DEFAULT_TARGET, default_heads
 
@@ -33,7 +33,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     if not args.batch_sizes:
         check_plotting()
-    model, tokenizer, heads, prompts, vocab = load_target(args)
+    model, tokenizer, heads, prompts, vocab = load_target(args, with_prompts=args.workload == "prompts")
+    if args.workload == "repeated":
+        return run_repeated_workload(args, model, tokenizer, heads, vocab)
     if args.limit_per_category is not None:
         try:
             prompts = first_per_category(prompts, args.limit_per_category)
@@ -97,6 +99,41 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dict, vocab) -> int:
+    """`selfspec bench --workload repeated` (`selfspec.workload`): warm-up calls, then the timed prompts by kind."""
+    from .workload import repeated_contenders, revision_prompts, same_task_prompts, warm_up
+
+    warm, timed = same_task_prompts(tokenizer, args.warmup)
+
+    def answer(text: str) -> str:
+        (ids,) = encode(tokenizer, [ChatPrompt(text, "revision")], model.device)
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                do_sample=False)  # fmt: skip
+        return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+
+    timed += revision_prompts(tokenizer, answer, args.warmup + 2)
+    prompts = timed[: args.num_prompts]
+    contenders = repeated_contenders(model, heads.get(EagleHeads), vocab)
+    warm_up(contenders, encode(tokenizer, warm, model.device), args.max_new_tokens)
+    rows = run_bench(contenders, encode(tokenizer, prompts, model.device), args.max_new_tokens, repeats=args.repeats)
+    by_category = summarize_by_category(contenders, prompts)
+    table = category_report(by_category, prompts)
+    print(table)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench_repeated.md").write_text(table + "\n", encoding="utf-8")
+    flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
+    meta = {"workload": "repeated", "warmup": len(warm), "prompts": len(prompts), "dtype": str(model.dtype),
+            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}  # fmt: skip
+    write_json(flat, output / "bench_repeated.json", meta)
+    print(f"wrote {output / 'bench_repeated.md'}, {output / 'bench_repeated.json'}")
+    mismatched = [row["contender"] for row in rows if row["matched"] is False]
+    if mismatched:
+        print(f"GREEDY OUTPUT DIFFERS from model.generate: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="tokens/s of selfspec's modes against model.generate and its peers", formatter_class=HelpFormatter
@@ -127,6 +164,15 @@ def add_bench_parser(commands) -> None:
         "chains with compile=True (each compiles on its first calls, untimed)",
     )
     bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
+    bench.add_argument(
+        "--workload",
+        choices=["prompts", "repeated"],
+        default="prompts",
+        help="prompts: the --prompts (Spec-Bench questions by category, or plain prompts); repeated: the same task "
+        "over many standard-library functions and two-turn revisions, after --warmup untimed calls per task "
+        "(selfspec.workload; needs a chat model), greedy",
+    )
+    bench.add_argument("--warmup", type=int, default=3, help="--workload repeated: untimed functions per task")
     bench.add_argument(
         "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
     )

@@ -1,8 +1,9 @@
 """`selfspec demo`: load a target and its heads, run its best modes next to `model.generate`, report.
 
 The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-instruct`, the `[smollm2]` extra)
-in bfloat16: plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the
-draft vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
+in bfloat16 where the machine multiplies it natively and in float32 elsewhere (`selfspec.options.default_dtype`):
+plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the draft
+vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
 target pass, and checks the greedy outputs against `model.generate`'s: in bfloat16 up to ties of its top-2 scores
 (`selfspec.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead (heads/demo-target,
 trained by this project) on held-out code prompts, with every kind of its heads and alpha per exit depth (also as a
@@ -29,21 +30,27 @@ from .bench import (
     tree_for,
 )
 from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .options import HelpFormatter, add_model_arguments, check_plotting, encode, load_target
+from .options import (
+    HelpFormatter,
+    add_model_arguments,
+    check_plotting,
+    default_dtype,
+    encode,
+    load_target,
+    resolve_dtype,
+)
 from .targets import DEMO_TARGET
 from .ties import TIE, TIE_STEPS
 
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
-# How the demo runs SmolLM2-135M-Instruct (other targets: float32 and every mode their heads allow). bfloat16: on a
-# CPU its decoding is bound by reading the weights, so a verify pass over a few positions costs about one step.
-# Its best modes only: each mode costs a run of a 135M model, and the demo is to stay under about 3 minutes.
-DEMO_DTYPES = {DEMO_TARGET: "bfloat16"}
+# How the demo runs SmolLM2-135M-Instruct (other targets: every mode their heads allow): its best modes only, as each
+# mode costs a run of a 135M model and the demo is to stay under about 3 minutes.
 BEST_MODES_ONLY = {DEMO_TARGET}
 
 
-def demo_dtype(model: str) -> str:
-    """The dtype the demo runs `model` in without --dtype: `DEMO_DTYPES`'s, else float32."""
-    return DEMO_DTYPES.get(model, "float32")
+def demo_dtype(model: str, device: str = "cpu") -> str:
+    """The dtype the demo runs `model` in without --dtype (`selfspec.options.default_dtype`)."""
+    return default_dtype(model, device)[0]
 
 
 def demo_contenders(model, heads: dict, vocab: list[int] | None, best_only: bool = False) -> list[Contender]:
@@ -179,7 +186,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .profile import format_table, plot_alpha
 
     check_plotting()
-    args.dtype = args.dtype or demo_dtype(args.model)
+    resolve_dtype(args)
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)

@@ -13,9 +13,10 @@ One iteration, as the loop drives it:
     ... the accept-reject rule, commit ...
     drafter.accept(Verified(...))                                  every drafter, whoever drafted
     drafter.select_rows(rows)                                      rows that finished left the batch
+    drafter.end(sequences)                                         the call is over (a cache across calls learns)
 
 `begin(state, hidden)` starts a `generate` call after the prefill. Built-in drafters: early exit and Medusa
-heads (`selfspec.drafters`), n-gram prompt lookup (`selfspec.ngram`).
+heads (`selfspec.drafters`), n-gram prompt lookup (`selfspec.ngram`), suffix drafting (`selfspec.suffix`).
 """
 
 from __future__ import annotations
@@ -160,10 +161,15 @@ class Drafter(ABC):
     def select_rows(self, rows: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Only `rows` (a [k] long index into the current batch) keep generating: drop the others' state."""
 
+    def end(self, sequences: list[torch.Tensor]) -> None:  # noqa: B027 (optional hook)
+        """The `generate` call ended: `sequences[b]` [T_b] is row b of the caller's prompts (as given, padding
+        included) followed by what it generated. A drafter that learns across calls keeps what it needs here."""
+
     def draft_tree(self, state: DecodeState):
         """Tree drafters: (the tree, a `CandidateTree` with its nodes in order; candidate tokens [batch, N] of its
         nodes 1..N; draft logits [batch, N+1, V] at the root and each node, those its children were chosen
-        from, zeros where it has none)."""
+        from, zeros where it has none, or None where the candidates are point masses). The loop asks `available`
+        first: without a proposal the iteration is a plain step."""
         raise NotImplementedError(f"{self.name} declares a tree but does not implement draft_tree")
 
     def verify_tree(self, target, state: DecodeState, tree, node_tokens: torch.Tensor, hidden_layers=()):

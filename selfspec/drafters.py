@@ -15,12 +15,15 @@ from .drafter import FINAL, Draft, Drafter, Processing, Verified, draft_chain
 from .lora import DraftLoRA
 from .ngram import NGramDrafter
 from .state import DecodeState
+from .suffix import SuffixDrafter
 from .tree import CandidateTree
 
 if TYPE_CHECKING:
     from .heads import DraftHeads, MedusaHeads
 
-NAMED_DRAFTERS = ("ngram", "hybrid")  # SelfSpeculative(drafter=...) by name
+NAMED_DRAFTERS = ("ngram", "suffix", "hybrid")  # SelfSpeculative(drafter=...) by name
+MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}  # drafters by name that read no weights
+HEADS = "heads"  # in a list of drafters: the drafter from the model's own weights (the heads, or the exit)
 
 
 class EarlyExitDrafter(Drafter):
@@ -223,30 +226,37 @@ def build_drafters(
     ValueError for settings that do not apply to the chosen drafters."""
     model_options = {"heads": heads, "exit_layer": exit_layer, "tree": tree, "draft_vocab / draft_quant": vocab}
     given = [name for name, value in model_options.items() if value is not None]
-    if ngram_options and drafter not in NAMED_DRAFTERS:
+    if drafter is None or isinstance(drafter, str | Drafter):
+        names = {None: [HEADS], "hybrid": ["ngram", HEADS]}.get(drafter, [drafter])
+    else:
+        names = list(drafter) if isinstance(drafter, list | tuple) else None
+    if not names or any(not isinstance(n, Drafter) and n not in (*MODEL_FREE, HEADS) for n in names):
+        wrong = next((n for n in names or [] if not isinstance(n, Drafter | str)), None)
+        if wrong is not None:
+            raise TypeError(f"drafter must be a selfspec Drafter or a list of them; got {type(wrong).__name__}.")
+        raise ValueError(
+            f"drafter={drafter!r}: pass a Drafter, {' or '.join(map(repr, NAMED_DRAFTERS))}, or a list of Drafters "
+            f"and the names {', '.join(map(repr, (*MODEL_FREE, HEADS)))} in order of preference."
+        )
+    if ngram_options and "ngram" not in names:
         raise ValueError(
             f"{', '.join(sorted(ngram_options))} configure n-gram drafting: pass drafter='ngram' or 'hybrid'."
         )
-    if isinstance(drafter, Drafter) or (isinstance(drafter, list | tuple) and drafter):
-        drafters = [drafter] if isinstance(drafter, Drafter) else list(drafter)
-        wrong = [part for part in drafters if not isinstance(part, Drafter)]
-        if wrong:
-            raise TypeError(f"drafter must be a selfspec Drafter or a list of them; got {type(wrong[0]).__name__}.")
-        if given or confidence is not None:
-            raise ValueError(
-                f"{', '.join(given) or 'draft_confidence'} configure selfspec's own drafter; with drafter=... "
-                "configure your drafter itself."
-            )
-    elif drafter == "ngram":
-        if given or confidence is not None:
-            raise ValueError(f"drafter='ngram' drafts without the model: {', '.join(given) or 'draft_confidence'} "
-                             "does not apply (drafter='hybrid' combines it with heads).")  # fmt: skip
-        drafters = [NGramDrafter(**ngram_options)]
-    elif drafter in (None, "hybrid"):
-        own = model_drafter(adapter, heads, exit_layer, tree, vocab, confidence)
-        drafters = [NGramDrafter(**ngram_options), own] if drafter == "hybrid" else [own]
-    else:
-        raise ValueError(f"drafter={drafter!r}: pass a Drafter, a list of them, {' or '.join(NAMED_DRAFTERS)}.")
+    if HEADS not in names and (given or confidence is not None):
+        options = ", ".join(given) or "draft_confidence"
+        if all(isinstance(n, Drafter) for n in names):
+            raise ValueError(f"{options} configure selfspec's own drafter; with drafter=... configure your drafter "
+                             "itself.")  # fmt: skip
+        raise ValueError(f"drafter={drafter!r} drafts without the model: {options} does not apply "
+                         "(drafter='hybrid' combines n-gram lookup with heads).")  # fmt: skip
+    drafters = []
+    for name in names:
+        if isinstance(name, Drafter):
+            drafters.append(name)
+        elif name == HEADS:
+            drafters.append(model_drafter(adapter, heads, exit_layer, tree, vocab, confidence))
+        else:
+            drafters.append(MODEL_FREE[name](**(ngram_options if name == "ngram" else {})))
     if len(drafters) > 1 and any(part.tree is not None for part in drafters):
         raise ValueError("A tree drafter drafts alone: combine chains only (tree=[] drafts a Medusa chain).")
     return drafters

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .adapter import read_token_ids
+from .hardware import speculation_dtype
 from .heads import DraftHeads, load_heads
 from .specbench import ChatPrompt, read_prompts
 from .targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
@@ -29,6 +30,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False) or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+# targets that run in bfloat16 where the machine multiplies it natively (`selfspec.hardware`), in float32 elsewhere;
+# every other target runs in float32 unless --dtype says otherwise (the toy target's checks are token for token)
+HALF_PRECISION_TARGETS = {DEMO_TARGET}
+
+
+def default_dtype(model: str | None, device: str = "cpu") -> tuple[str, str]:
+    """(dtype, why) for --dtype left out: for `HALF_PRECISION_TARGETS`, the dtype in which speculation pays on
+    `device` (`selfspec.hardware.speculation_dtype`); float32 for the others."""
+    if model in HALF_PRECISION_TARGETS:
+        return speculation_dtype(device)
+    return "float32", "this target's default; --dtype changes it"
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """Fill in --dtype where it was left out (`default_dtype`), and say which and why."""
+    if args.dtype is None:
+        args.dtype, reason = default_dtype(args.model or DEFAULT_TARGET, args.device)
+        print(f"dtype: {args.dtype} ({reason})", flush=True)
 
 
 TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
@@ -70,7 +91,7 @@ def set_threads(num_threads: int) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bool = False) -> None:
     """The target options. `bundled`: --model may be left out for the bundled toy target (bench, tune);
-    `demo`: for DEMO_TARGET instead, and --dtype defaults to the target's demo dtype (`demo_dtype`)."""
+    `demo`: for DEMO_TARGET instead. Without --dtype, `load_target` chooses one (`default_dtype`) and says why."""
     if demo:
         where = f" (default: {DEMO_TARGET}; demo: the bundled toy target, {BUNDLED})"
     elif bundled:
@@ -94,14 +115,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
         "the first turn through the chat template) (default: the model's prompts.jsonl or prompts.json)",
     )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
-    if demo:
-        parser.add_argument(
-            "--dtype",
-            help=f"float32 | bfloat16 | float16 | auto (default: bfloat16 for {DEMO_TARGET}, where the greedy check "
-            "allows ties of the top-2 scores, selfspec.ties; float32, token for token, for other targets)",
-        )
-    else:
-        parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    parser.add_argument(
+        "--dtype",
+        help="float32 | bfloat16 | float16 | auto (default: for "
+        f"{', '.join(sorted(HALF_PRECISION_TARGETS))}, bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16, "
+        "amx_bf16) and float32 on other CPUs, where bf16 passes over several positions cost several steps and "
+        "speculation loses; float32 for other targets). In half precision the greedy check allows ties of the top-2 "
+        "scores (selfspec.ties); in float32 it is token for token",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
     parser.add_argument(
@@ -111,11 +132,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
     )
 
 
-def load_target(args: argparse.Namespace):
-    """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line."""
+def load_target(args: argparse.Namespace, with_prompts: bool = True):
+    """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line; no prompts
+    (an empty list) without `with_prompts`."""
     from .adapter import ModelAdapter
 
     set_threads(args.num_threads)
+    resolve_dtype(args)
     path = target_path(args.model)
     model, tokenizer = load_cli_model(args.model, args.dtype, args.device)
     heads_paths = args.heads if args.heads is not None else default_heads(args.model or DEFAULT_TARGET)
@@ -127,14 +150,14 @@ def load_target(args: argparse.Namespace):
             raise SystemExit(f"--heads: two {type(loaded).__name__} folders given; pass one of each kind")
         heads[type(loaded)] = loaded.to(device=adapter.device, dtype=adapter.dtype)
     prompts_path = Path(args.prompts) if args.prompts else default_prompts(Path(path))
-    if not prompts_path.exists():
+    if with_prompts and not prompts_path.exists():
         raise SystemExit(f"No prompts: {prompts_path} does not exist; pass --prompts FILE (.json or .jsonl)")
     vocab_path = Path(args.draft_vocab) if args.draft_vocab not in (None, "none") else Path(path) / "draft_vocab.json"
     if args.draft_vocab is not None and args.draft_vocab != "none" and not vocab_path.exists():
         raise SystemExit(f"--draft_vocab: {vocab_path} does not exist")
     use_vocab = args.draft_vocab != "none" and vocab_path.exists()
     vocab = read_token_ids(vocab_path) if use_vocab else None
-    return model, tokenizer, heads, read_prompts(prompts_path, tokenizer), vocab
+    return model, tokenizer, heads, read_prompts(prompts_path, tokenizer) if with_prompts else [], vocab
 
 
 def default_prompts(folder: Path) -> Path:

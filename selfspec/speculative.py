@@ -27,6 +27,7 @@ from .heads import DraftHeads, load_heads
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
 from .verify import Verdict, accept_greedy, accept_sampling, accept_tree
+from .verify_cost import measured_verify_costs
 
 
 class SelfSpeculative:
@@ -71,7 +72,11 @@ class SelfSpeculative:
         position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
             verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
             verification is compute-bound; one number, or {batch size: r} measured per batch size (interpolated
-            between them). Default: the heads' setting (`selfspec tune` measures it), else 0.
+            between them). Default: the heads' setting (`selfspec tune` measures it), else v(gamma) measured on this
+            machine (`selfspec.verify_cost`): once per model, device, dtype and batch size, on the first call's cache,
+            about 20 passes. Sampled output is exactly distributed either way; for a seeded sampling run that repeats
+            across processes, give a position cost (the measured figures vary with the machine's load, and gamma, so
+            the random stream, follows them).
         drafter: None drafts with the heads (or the untrained exit); "ngram" with n-gram prompt lookup alone
             (`selfspec.NGramDrafter`); "hybrid" with n-gram lookup where the text has a match and the heads
             otherwise (adaptive: whichever the speedup equation favours from the acceptance each has shown);
@@ -152,7 +157,8 @@ class SelfSpeculative:
             self.adaptive = False
             self.draft_limits = [0] * len(self.drafters)
         recorded = heads.position_cost if heads is not None else None
-        self.position_cost = check_position_cost(position_cost if position_cost is not None else (recorded or 0.0))
+        given = position_cost if position_cost is not None else recorded
+        self.position_cost = check_position_cost(given) if given is not None else None  # None: measured per call
         self.exit_layer = getattr(self.drafter, "exit_layer", None)
         self.num_draft_tokens = max(self.draft_limits)
         self.stats: GenerationStats | None = None
@@ -240,10 +246,16 @@ class SelfSpeculative:
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
         tree = self.drafter.tree if self.num_draft_tokens else None
+        measured = None
         if self.adaptive and tree is None:
             costs = [part.estimated_cost() for part in self.drafters[:-1]] + [self.draft_cost]
+            span = min(call.remaining, self._span_before_rope_switch(call))
+            widest = min(max(self.draft_limits), span - 1)  # the most drafts an iteration of this call may verify
+            if self.position_cost is None and not finished and widest > 0:
+                with call.watch.section("measure"):
+                    measured = measured_verify_costs(self.adapter, call.state, widest, self.hidden_layers)
             call.controllers = [
-                DraftController(limit, cost, position_cost=self.position_cost)
+                DraftController(limit, cost, position_cost=self.position_cost or 0.0, verify_costs=measured)
                 for limit, cost in zip(self.draft_limits, costs, strict=True)
             ]
         while not finished:
@@ -257,7 +269,10 @@ class SelfSpeculative:
         if setup.streamer is not None:
             setup.streamer.end()
         self.stats = call.stats.finish(call.watch.totals(), *call.alpha.tolist(), started)
+        self.stats.verify_costs = measured
         rows = [call.done[row] for row in range(len(call.done))]  # in the caller's order
+        for part in self.drafters:
+            part.end(rows)
         return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
 
     def _choose_drafter(self, call: Call, limit: int) -> tuple[int | None, int]:
@@ -314,7 +329,9 @@ class SelfSpeculative:
         when done."""
         state, setup, drafter = call.state, call.setup, self.drafter
         with call.watch.section("draft"):
-            tree, node_tokens, node_logits = drafter.draft_tree(state)  # [batch, N], [batch, N+1, V]
+            if not drafter.available(state):  # nothing to propose (a suffix tree without a match): a plain step
+                return self.speculative_step(call, None, 0)
+            tree, node_tokens, node_logits = drafter.draft_tree(state)  # [batch, N], [batch, N+1, V] or None
         depth = tree.max_depth
         with call.watch.section("verify"):
             logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
@@ -328,8 +345,11 @@ class SelfSpeculative:
             along = path[..., None].expand(-1, -1, scores.shape[-1])
             path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
             if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
-                drafts = node_logits.gather(1, along[:, :depth])
-                q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
+                if node_logits is None:  # candidates proposed deterministically: point masses
+                    q = Draft.point_mass(path_tokens).probabilities(scores.shape[-1])
+                else:
+                    drafts = node_logits.gather(1, along[:, :depth])
+                    q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
                 call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
         call.drafted_by = 0

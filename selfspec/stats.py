@@ -30,6 +30,10 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    # v(gamma) by gamma the adaptive choice used where it was measured on this machine (`selfspec.verify_cost`), and
+    # the seconds this call spent measuring it (0 after the first call on the same model, dtype and batch size)
+    verify_costs: tuple[float, ...] | None = None
+    measure_seconds: float = 0.0
 
     @property
     def alpha_hat(self) -> float:
@@ -72,8 +76,13 @@ class GenerationStats:
             lines.append(f"accepted / proposed by draft position 1, 2, ...: {by_position}")
         else:
             lines.append("drafts: none proposed (plain decoding steps only)")
-        other = max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds)
-        lines.append(f"time: draft {self.draft_seconds:.2f} s, verify {self.verify_seconds:.2f} s, other {other:.2f} s")
+        other = max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds - self.measure_seconds)
+        measuring = f", measuring v {self.measure_seconds:.2f} s" if self.measure_seconds else ""
+        verify = f"verify {self.verify_seconds:.2f} s{measuring}"
+        lines.append(f"time: draft {self.draft_seconds:.2f} s, {verify}, other {other:.2f} s")
+        if self.verify_costs is not None:
+            costs = ", ".join(f"{v:.2f}" for v in self.verify_costs[1:])
+            lines.append(f"verify cost v(gamma) measured here, gamma = 1, 2, ...: {costs} plain steps")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -87,6 +96,7 @@ class GenerationStats:
         """Fill in the time split (sections timed by a `Stopwatch`), the analytic alpha and the total time."""
         self.draft_seconds = times.get("draft", 0.0)
         self.verify_seconds = times.get("verify", 0.0) + times.get("prefill", 0.0)
+        self.measure_seconds = times.get("measure", 0.0)
         self.alpha = alpha_sum / alpha_count if alpha_count else float("nan")
         self.total_seconds = time.perf_counter() - started
         return self

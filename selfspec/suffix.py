@@ -1,0 +1,376 @@
+"""Suffix drafting: propose the most frequent continuations of the text's longest earlier match, in this prompt,
+in what has been generated, and in earlier calls' answers.
+
+Model-free like n-gram lookup, with three differences (the idea of SuffixDecoding, arXiv 2411.04975):
+- It remembers. A cache shared across calls holds earlier answers, bounded in tokens and evicted least recently
+  used first, so the same task over many inputs, or a revision of an earlier answer, drafts from what came before.
+- It counts. Every earlier occurrence of the longest matched suffix votes for what followed it; the draft follows
+  the most frequent continuation while its estimated probability (the product of count ratios along the way) stays
+  at or above `min_token_prob`.
+- Its drafts grow with the match: at most `max_spec_factor` tokens per matched token.
+
+q is a point mass on each proposal, so the accept-reject rule stays exact for greedy and sampled decoding alike.
+
+An index (`SuffixIndex`) maps each pair of consecutive tokens to where it occurred; the longest match is found by
+extending the candidates' matches backwards, at most `max_match_length` tokens. Adding a token costs O(1); a lookup
+costs at most `max_candidates` x `max_match_length` comparisons.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .drafter import Draft, Drafter, Processing, Verified
+from .state import DecodeState
+from .tree import CandidateTree
+
+
+class SuffixIndex:
+    """Token sequences and where each token and each pair of tokens occurred in them.
+
+    Sequences are kept as int32 arrays under an id; `extend` appends to one (the text of a call grows), `drop`
+    forgets one (eviction). Index entries of dropped sequences are skipped on look-up and purged once they are
+    as many as the live ones."""
+
+    def __init__(self):
+        self.sequences: OrderedDict[int, array] = OrderedDict()  # id -> tokens; least recently used first
+        self._pairs: dict[tuple[int, int], list[int]] = {}  # (a, b) -> entries: id << 32 | where the token after is
+        self._singles: dict[int, list[int]] = {}  # a -> entries, the same way
+        self._next_id = 0
+        self.tokens = 0  # live tokens
+        self._dead = 0  # index entries of dropped sequences not purged yet
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def add(self, tokens) -> int:
+        """A new sequence; returns its id."""
+        uid, self._next_id = self._next_id, self._next_id + 1
+        self.sequences[uid] = array("i")
+        self.extend(uid, tokens)
+        return uid
+
+    def extend(self, uid: int, tokens) -> None:
+        sequence = self.sequences[uid]
+        for token in tokens:
+            end = len(sequence)
+            if end >= 1:
+                self._pairs.setdefault((sequence[end - 1], token), []).append(uid << 32 | end + 1)
+            self._singles.setdefault(token, []).append(uid << 32 | end + 1)
+            sequence.append(token)
+        self.tokens += len(tokens)
+
+    def touch(self, uid: int) -> None:
+        """Mark a sequence as just used (the last to be evicted)."""
+        if uid in self.sequences:
+            self.sequences.move_to_end(uid)
+
+    def drop(self, uid: int) -> None:
+        sequence = self.sequences.pop(uid)
+        self.tokens -= len(sequence)
+        self._dead += 2 * len(sequence)
+        if self._dead > 2 * self.tokens:
+            self._purge()
+
+    def clear(self) -> None:
+        self.__init__()
+
+    def nbytes(self) -> int:
+        """Bytes the index holds: sequences, entry lists and the dictionaries (Python objects included)."""
+        size = sum(sys.getsizeof(sequence) for sequence in self.sequences.values())
+        for table in (self._pairs, self._singles):
+            size += sys.getsizeof(table)
+            # an entry: its slot in the list and the int object it points to
+            size += sum(
+                sys.getsizeof(key) + sys.getsizeof(entries) + 32 * len(entries) for key, entries in table.items()
+            )
+        return size
+
+    def _purge(self) -> None:
+        for table in (self._pairs, self._singles):
+            for key in list(table):
+                live = [entry for entry in table[key] if entry >> 32 in self.sequences]
+                if live:
+                    table[key] = live
+                else:
+                    del table[key]
+        self._dead = 0
+
+    def candidates(self, context: list[int], max_match: int, max_candidates: int) -> tuple[int, list[tuple]]:
+        """The longest suffix of `context` (at most `max_match` tokens) that occurred in these sequences with a
+        token after it, and its most recent occurrences (at most `max_candidates`) as (sequence, where the token
+        after it is, id). (0, []) when not even the last token occurred with a successor."""
+        if len(context) >= 2 and (context[-2], context[-1]) in self._pairs:
+            entries, known = self._pairs[(context[-2], context[-1])], 2
+        elif context and context[-1] in self._singles:
+            entries, known = self._singles[context[-1]], 1
+        else:
+            return 0, []
+        best, found = 0, []
+        for entry in reversed(entries):
+            uid, after = entry >> 32, entry & 0xFFFFFFFF
+            sequence = self.sequences.get(uid)
+            if sequence is None or after >= len(sequence):
+                continue
+            length = known
+            while length < max_match and length < len(context) and after - length - 1 >= 0:
+                if sequence[after - length - 1] != context[-length - 1]:
+                    break
+                length += 1
+            if length > best:
+                best, found = length, []
+            if length == best:
+                found.append((sequence, after, uid))
+            if len(found) >= max_candidates:
+                break
+        return best, found
+
+
+@dataclass
+class Continuation:
+    """A drafted chain: its tokens, its estimated probability, and the most tokens its match allowed."""
+
+    tokens: list[int]
+    probability: float
+    depth: int
+
+
+def best_continuation(
+    occurrences: list[tuple], depth: int, min_token_prob: float, period_of=None
+) -> tuple[list[int], float]:
+    """Follow the most frequent next token among `occurrences` (sequence, where its continuation starts, id) for
+    at most `depth` tokens, while the product of the count ratios stays at or above `min_token_prob`.
+    `period_of(occurrence)`: where given and not None, the continuation repeats with that period past the
+    sequence's end (the text being generated, caught in a loop)."""
+    tokens, probability, alive = [], 1.0, occurrences
+    for step in range(depth):
+        counts: dict[int, list] = {}
+        for occurrence in alive:
+            sequence, after = occurrence[0], occurrence[1]
+            index = after + step
+            period = period_of(occurrence) if period_of is not None else None
+            if index >= len(sequence):
+                if not period:
+                    continue
+                index = after + step % period
+            counts.setdefault(sequence[index], []).append(occurrence)
+        if not counts:
+            break
+        token, followers = max(counts.items(), key=lambda item: len(item[1]))
+        ratio = len(followers) / len(alive)
+        if probability * ratio < min_token_prob:
+            break
+        tokens.append(token)
+        probability *= ratio
+        alive = followers
+    return tokens, probability
+
+
+def continuation_tree(occurrences: list[tuple], depth: int, nodes: int, min_token_prob: float, period_of=None):
+    """The `nodes` most likely continuations of `occurrences` as a tree: {path of sibling ranks: token}. A node's
+    probability is the share of the occurrences that continue through it (at least `min_token_prob`); a parent is
+    at least as likely as its children, so it is kept before them."""
+    level = {(): occurrences}  # path of tokens -> the occurrences that continue along it
+    scored = []  # (-probability, depth, token path)
+    for step in range(depth):
+        below = {}
+        for tokens, alive in level.items():
+            for occurrence in alive:
+                sequence, after = occurrence[0], occurrence[1]
+                index = after + step
+                period = period_of(occurrence) if period_of is not None else None
+                if index >= len(sequence):
+                    if not period:
+                        continue
+                    index = after + step % period
+                below.setdefault((*tokens, sequence[index]), []).append(occurrence)
+        level = {path: alive for path, alive in below.items() if len(alive) / len(occurrences) >= min_token_prob}
+        scored += [(-len(alive) / len(occurrences), step, path) for path, alive in level.items()]
+    ranks = {}  # token path -> rank path: a node's rank among its kept siblings, most frequent first
+    for _, _, path in sorted(scored)[:nodes]:
+        siblings = sum(1 for other in ranks if len(other) == len(path) and other[:-1] == path[:-1])
+        ranks[path] = (*ranks[path[:-1]], siblings) if len(path) > 1 else (siblings,)
+    return {rank: path[-1] for path, rank in ranks.items()}
+
+
+@dataclass(frozen=True)
+class SuffixTree:
+    """The shape of the suffix drafter's trees: at most `nodes` candidates, at most `depth` deep."""
+
+    nodes: int
+    depth: int
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
+class SuffixDrafter(Drafter):
+    """Suffix drafting (see the module docstring), with vLLM's names for the settings that mean the same there.
+
+    Args:
+        num_speculative_tokens: the most tokens one draft proposes (gamma's ceiling and default).
+        max_spec_factor: at most this many drafted tokens per matched token (a match of 3 tokens drafts at most 3
+            at the default 1.0): a short match is weak evidence.
+        min_token_prob: stop drafting once the chain's estimated probability falls below this.
+        max_cached_requests: earlier answers kept in the cache shared across calls; 0 switches the cache off
+            (the prompt and the text being generated are still searched).
+        max_cached_tokens: the cache's bound in tokens; the least recently used answers go first.
+        max_match_length: the longest suffix of the text matched against earlier text.
+        max_candidates: the most recent occurrences of the matched suffix that vote on the continuation.
+        tree_nodes: draft a tree of the most likely continuations, at most this many nodes, verified in one pass
+            with the lossless tree rule (one prompt at a time); None drafts the best chain.
+
+    `cache` holds the earlier answers; `clear_cache()` empties it. Several rows of a batch draft independently
+    (each from its own text and the shared cache).
+    """
+
+    check_drafts = False
+
+    def __init__(
+        self,
+        num_speculative_tokens: int = 16,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_requests: int = 10_000,
+        max_cached_tokens: int = 1_000_000,
+        max_match_length: int = 24,
+        max_candidates: int = 64,
+        tree_nodes: int | None = None,
+    ):
+        super().__init__()
+        for name, value in (
+            ("num_speculative_tokens", num_speculative_tokens),
+            ("max_match_length", max_match_length),
+            ("max_candidates", max_candidates),
+            ("tree_nodes", 1 if tree_nodes is None else tree_nodes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        for name, value in (("max_cached_requests", max_cached_requests), ("max_cached_tokens", max_cached_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer (0 switches the cache off).")
+        if not max_spec_factor > 0:
+            raise ValueError(f"max_spec_factor={max_spec_factor!r} must be a positive number.")
+        if not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob={min_token_prob!r} must be a probability between 0 and 1.")
+        self.max_drafts = self.default_drafts = num_speculative_tokens
+        self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
+        self.max_cached_requests, self.max_cached_tokens = max_cached_requests, max_cached_tokens
+        self.max_match_length, self.max_candidates = max_match_length, max_candidates
+        self.tree = SuffixTree(tree_nodes, num_speculative_tokens) if tree_nodes is not None else None
+        self.cache = SuffixIndex()  # earlier calls' answers, shared by every row and call
+        self._texts: list[SuffixIndex] = []  # per row of the running call: its prompt and what it generated
+        self._prompt_width = 0  # the call's prompt width (padding included): answers start there
+        self._drafts: list[Continuation | None] | None = None  # from `available`, for `draft`
+
+    @property
+    def name(self) -> str:
+        return "suffix"
+
+    def estimated_cost(self) -> float:
+        return 0.0  # no weights read: dictionary look-ups on the host
+
+    def clear_cache(self) -> None:
+        """Forget every earlier answer."""
+        self.cache.clear()
+
+    # ------------------------------------------------------------------ a call
+    def begin(self, state: DecodeState, hidden) -> None:
+        self._texts = []
+        for row, pad in zip(state.sequences.tolist(), state.pad_offset.tolist(), strict=True):
+            text = SuffixIndex()
+            text.add(row[pad:])
+            self._texts.append(text)
+        self._prompt_width = state.sequences.shape[1]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._texts = [self._texts[row] for row in rows.tolist()]
+        self._drafts = None
+
+    def end(self, sequences: list[torch.Tensor]) -> None:
+        """Keep each row's answer in the cross-call cache, evicting the least recently used over the bounds."""
+        self._texts, self._drafts = [], None
+        if not self.max_cached_requests:
+            return
+        for sequence in sequences:
+            answer = sequence[self._prompt_width :].tolist()
+            if not answer or len(answer) > self.max_cached_tokens:
+                continue
+            self.cache.add(answer)
+            while len(self.cache) > self.max_cached_requests or self.cache.tokens > self.max_cached_tokens:
+                self.cache.drop(next(iter(self.cache.sequences)))
+
+    def accept(self, verified: Verified) -> None:
+        self._drafts = None  # the text changed: `available` looks again
+
+    # ------------------------------------------------------------------ drafting
+    def available(self, state: DecodeState) -> bool:
+        self._drafts = self._continuations(state)
+        return any(draft is not None for draft in self._drafts)
+
+    def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
+        drafts = self._drafts if self._drafts is not None else self._continuations(state)
+        self._drafts = None
+        width = min(gamma, max((len(d.tokens) for d in drafts if d is not None), default=0))
+        pending = state.sequences[:, -1].tolist()
+        rows = []
+        for row, found in enumerate(drafts):  # rows without a proposal (or a shorter one) pad with filler
+            tokens = found.tokens[:width] if found is not None else []
+            rows.append(tokens + [pending[row]] * (width - len(tokens)))
+        return Draft.point_mass(torch.tensor(rows, dtype=torch.long, device=state.sequences.device).view(-1, width))
+
+    def draft_tree(self, state: DecodeState):
+        """The tree of the most likely continuations for one prompt: (the tree, node tokens [1, N], None: the
+        candidates are point masses, chosen deterministically)."""
+        self._drafts = None
+        self._sync(state)
+        occurrences, depth, period_of = self._match(0)
+        paths = continuation_tree(occurrences, depth, self.tree.nodes, self.min_token_prob, period_of)
+        tree = CandidateTree.from_paths([list(path) for path in paths])
+        device = state.sequences.device
+        node_tokens = torch.tensor([[paths[path] for path in tree.paths]], device=device)
+        return tree.to(device), node_tokens, None
+
+    def _match(self, row: int) -> tuple[list[tuple], int, object]:
+        """Row `row`'s occurrences of its longest matched suffix, in its own text or the cache (both where they
+        match equally long), the draft depth that match allows, and the periods of its own text's occurrences."""
+        text = self._texts[row]
+        ((_, own),) = text.sequences.items()
+        context = own[-self.max_match_length - 1 :].tolist()
+        length, occurrences = text.candidates(context, self.max_match_length, self.max_candidates)
+        if self.max_cached_requests:
+            cached_length, cached = self.cache.candidates(context, self.max_match_length, self.max_candidates)
+            if cached_length > length:
+                length, occurrences = cached_length, cached
+            elif cached_length == length:
+                occurrences = occurrences + cached[: self.max_candidates - len(occurrences)]
+        for occurrence in occurrences[:1]:
+            if occurrence[0] is not own:
+                self.cache.touch(occurrence[2])
+        depth = min(self.max_drafts, max(1, int(self.max_spec_factor * length))) if length else 0
+        return occurrences, depth, lambda o: len(own) - o[1] if o[0] is own else None
+
+    def _continuations(self, state: DecodeState) -> list[Continuation | None]:
+        """Each row's best chain now (None where nothing matched or nothing is likely enough)."""
+        self._sync(state)
+        found = []
+        for row in range(len(self._texts)):
+            occurrences, depth, period_of = self._match(row)
+            tokens, probability = best_continuation(occurrences, depth, self.min_token_prob, period_of)
+            found.append(Continuation(tokens, probability, depth) if tokens else None)
+        return found
+
+    def _sync(self, state: DecodeState) -> None:
+        """Bring each row's text up to the committed tokens (one host read of the new ones)."""
+        lengths = (state.length - state.pad_offset).tolist()  # tokens per row, the pending one included
+        for row, text in enumerate(self._texts):
+            ((uid, sequence),) = text.sequences.items()
+            new = lengths[row] - len(sequence)
+            if new > 0:
+                text.extend(uid, state.sequences[row, state.length - new :].tolist())

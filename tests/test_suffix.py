@@ -1,0 +1,165 @@
+"""Suffix drafting: the index finds the longest earlier match and its most frequent continuation, the cache across
+calls is bounded and evicts the least recently used, and generation stays exact (greedy token-identical to
+`model.generate` on four families, batches included; sampling distributed as the target's law)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import batched_counts
+from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
+from tiny_models import padded_prompts, random_prompt, tiny_model
+
+from selfspec import SelfSpeculative, SuffixDrafter
+from selfspec.suffix import SuffixIndex, best_continuation, continuation_tree
+
+
+def test_the_index_finds_the_longest_match_and_its_occurrences():
+    index = SuffixIndex()
+    first = index.add([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 4, 8])
+    length, found = index.candidates([6, 7, 2, 3], max_match=8, max_candidates=10)
+    # "7 2 3" occurs once (at 8..10, followed by 4); "2 3" alone three times
+    assert length == 3 and [(uid, after) for _, after, uid in found] == [(first, 11)]
+    length, found = index.candidates([0, 2, 3], max_match=8, max_candidates=10)
+    assert length == 2 and [after for _, after, _ in found] == [11, 7, 3]  # most recent first
+    assert index.candidates([0, 2, 3], max_match=8, max_candidates=2)[1][-1][1] == 7  # capped
+    assert index.candidates([11, 12], max_match=8, max_candidates=10) == (0, [])
+    assert index.candidates([6, 8], 8, 10)[0] == 0  # 8 ends the text: nothing followed it
+    assert index.candidates([6, 9], 8, 10)[0] == 1  # a single token matches when no pair does
+
+
+def test_the_most_frequent_continuation_is_drafted_while_it_is_likely():
+    index = SuffixIndex()
+    for text in ([5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 7, 7]):
+        index.add(text)
+    length, found = index.candidates([5, 1], max_match=4, max_candidates=10)
+    assert length == 2 and len(found) == 4
+    tokens, probability = best_continuation(found, depth=3, min_token_prob=0.1)
+    assert tokens == [2, 3] and probability == pytest.approx(3 / 4 * 2 / 3)
+    assert best_continuation(found, depth=3, min_token_prob=0.6)[0] == [2]  # 3/4 then 1/2 < 0.6: stop
+    assert best_continuation(found, depth=3, min_token_prob=0.9)[0] == []
+
+
+def test_the_tree_keeps_the_most_likely_continuations_parents_first():
+    index = SuffixIndex()
+    for text in ([5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 7, 7]):
+        index.add(text)
+    _, found = index.candidates([5, 1], max_match=4, max_candidates=10)
+    # 2 (3/4), then 2-3 (2/4), 7 and 2-4 and 7-7 (1/4 each): ranks among kept siblings, most frequent first
+    assert continuation_tree(found, depth=2, nodes=3, min_token_prob=0.1) == {(0,): 2, (0, 0): 3, (1,): 7}
+    assert continuation_tree(found, depth=2, nodes=9, min_token_prob=0.1) == {
+        (0,): 2,
+        (0, 0): 3,
+        (1,): 7,
+        (0, 1): 4,
+        (1, 0): 7,
+    }
+    assert continuation_tree(found, depth=2, nodes=9, min_token_prob=0.3) == {(0,): 2, (0, 0): 3}
+
+
+def test_the_text_being_generated_repeats_with_its_period():
+    index = SuffixIndex()
+    uid = index.add([8, 1, 2, 3, 1, 2])
+    _, found = index.candidates([3, 1, 2], max_match=4, max_candidates=4)
+    sequence = index.sequences[uid]
+    tokens, _ = best_continuation(found, depth=5, min_token_prob=0.1, period_of=lambda o: len(sequence) - o[1])
+    assert tokens == [3, 1, 2, 3, 1]
+
+
+def test_the_cache_is_bounded_and_evicts_the_least_recently_used():
+    model = tiny_model("llama")
+    drafter = SuffixDrafter(max_cached_tokens=60, max_cached_requests=3)
+    spec = SelfSpeculative(model, drafter=drafter)
+    for seed in range(5):
+        spec.generate(random_prompt(6, seed=seed), max_new_tokens=20, do_sample=False)
+        assert drafter.cache.tokens <= 60 and len(drafter.cache) <= 3
+    assert len(drafter.cache) == 3 and drafter.cache.tokens == 60
+    uids = list(drafter.cache.sequences)
+    drafter.cache.touch(uids[0])
+    drafter.cache.add([1] * 20)
+    while drafter.cache.tokens > 60:
+        drafter.cache.drop(next(iter(drafter.cache.sequences)))
+    assert uids[0] in drafter.cache.sequences and uids[1] not in drafter.cache.sequences
+    assert drafter.cache.nbytes() > 0
+    drafter.clear_cache()
+    assert len(drafter.cache) == 0 and drafter.cache.tokens == 0 and drafter.cache.nbytes() < 1000
+    off = SuffixDrafter(max_cached_requests=0)
+    SelfSpeculative(model, drafter=off).generate(random_prompt(6), max_new_tokens=10)
+    assert len(off.cache) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt_neox"])
+def test_suffix_greedy_matches_generate_and_learns_across_calls(arch):
+    model = tiny_model(arch)
+    repetitive = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+    spec = SelfSpeculative(model, drafter="suffix", position_cost=0.0)
+    for prompt in (random_prompt(12, seed=3), repetitive):
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=40, do_sample=False), expected), arch
+    prompt = random_prompt(9, seed=11)
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    fresh = SelfSpeculative(model, drafter=SuffixDrafter(max_cached_requests=0), position_cost=0.0)
+    assert torch.equal(fresh.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    # the second time, the answer is in the cache: it is drafted from there, in long accepted runs
+    assert spec.stats.accepted >= 30 and spec.stats.tokens_per_pass > fresh.stats.tokens_per_pass
+
+
+def test_suffix_batch_rows_are_exact():
+    model = tiny_model("qwen2")
+    ids, mask = padded_prompts([3, 11, 7])
+    ids[1, -5:] = ids[1, -10:-5]  # a row that repeats itself
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    spec = SelfSpeculative(model, drafter="suffix")
+    for _ in range(2):  # the second call drafts from the first's answers too
+        actual = spec.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+        assert torch.equal(actual, expected)
+    assert len(spec.drafter.cache) == 6
+
+
+def test_suffix_hybrid_with_heads_is_exact():
+    from test_medusa import medusa_heads
+
+    model = tiny_model("llama")
+    prompt = random_prompt(10, seed=4)
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    spec = SelfSpeculative(model, drafter=["suffix", "heads"], heads=medusa_heads(model, num_heads=3), tree=[])
+    assert [part.name for part in spec.drafters][0] == "suffix"
+    for _ in range(2):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_suffix_tree_greedy_matches_generate(arch):
+    model = tiny_model(arch)
+    spec = SelfSpeculative(model, drafter=SuffixDrafter(num_speculative_tokens=6, tree_nodes=8))
+    assert spec.drafter.tree.max_depth == 6
+    for seed in (3, 3, 5):  # the second call drafts its trees from the first's answer
+        prompt = random_prompt(12, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=40, do_sample=False), expected), arch
+    assert spec.stats.proposed > 0
+
+
+def test_suffix_tree_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
+    spec = SelfSpeculative(sampling_model, drafter=SuffixDrafter(num_speculative_tokens=2, tree_nodes=3))
+    assert chi_square_pvalue(sampled_counts(spec), exact_law(sampling_model)) > 1e-3
+
+
+def test_suffix_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
+    spec = SelfSpeculative(sampling_model, drafter=SuffixDrafter(num_speculative_tokens=2), position_cost=0.0)
+    counts = batched_counts(spec)  # every call learns from the earlier samples: drafts come from the cache too
+    assert chi_square_pvalue(counts, exact_law(sampling_model)) > 1e-3
+
+
+def test_suffix_settings_are_checked():
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        SuffixDrafter(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="min_token_prob=2"):
+        SuffixDrafter(min_token_prob=2)
+    with pytest.raises(ValueError, match="max_cached_tokens=-1"):
+        SuffixDrafter(max_cached_tokens=-1)
+    with pytest.raises(ValueError, match="drafter='suffix' drafts without the model"):
+        SelfSpeculative(tiny_model("llama"), drafter="suffix", exit_layer=2)

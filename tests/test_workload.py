@@ -1,0 +1,40 @@
+"""The repeated workload (`selfspec.workload`): built offline from the standard library's own functions, split into
+warm-up and timed prompts, with two-turn revisions of the target's own answers; `selfspec bench --workload
+repeated` runs it with warm-up calls and reports it per kind."""
+
+from __future__ import annotations
+
+import json
+
+from test_specbench import tiny_tokenizer
+from tiny_models import tiny_model
+
+from selfspec.cli import main
+from selfspec.workload import FUNCTIONS, TASKS, function_sources, revision_prompts, same_task_prompts
+
+
+def test_the_workload_is_built_from_standard_library_functions():
+    sources = function_sources()
+    assert 8 <= len(sources) <= len(FUNCTIONS) and all(source.startswith("def ") for source in sources)
+    warm, timed = same_task_prompts(tiny_tokenizer(), warmup=2)
+    assert len(warm) == 2 * len(TASKS) and len(timed) == (len(sources) - 2) * len(TASKS)
+    assert {p.category for p in warm + timed} == {"same_task"}
+    answers = []
+    revisions = revision_prompts(tiny_tokenizer(), lambda text: answers.append(text) or "t7 t8", 3)
+    assert len(revisions) == 3 == len(answers) and all(p.category == "revision" for p in revisions)
+    assert all("t7 t8" in p and p.endswith(" t1") for p in revisions)  # the answer, then the generation prompt
+
+
+def test_bench_runs_the_repeated_workload_after_its_warm_up(tmp_path, capsys):
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    args = ["bench", "--model", str(tmp_path / "model"), "--workload", "repeated", "--warmup", "1"]
+    args += ["--max_new_tokens", "5", "--repeats", "1", "--num_prompts", "40", "--output", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "### same_task" in out and "### revision (3 prompts)" in out and "| selfspec suffix |" in out
+    rows = json.loads((tmp_path / "out" / "bench_repeated.json").read_text())
+    assert rows["meta"]["warmup"] == len(TASKS)
+    contenders = {row["contender"] for row in rows["results"]}
+    assert contenders == {"generate", "transformers prompt lookup", "selfspec ngram", "selfspec suffix"}
