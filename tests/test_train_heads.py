@@ -582,3 +582,27 @@ def test_draft_lora_baseline_must_match_the_heads(world, monkeypatch):
     wrong = {"lora.r": 2, "lora.baseline_heads": str(world["root"] / "lora_medusa_base" / "heads")}
     with pytest.raises(ValueError, match=r"has the drafts \['medusa_0', 'medusa_1'\]; these heads have \['exit_2'\]"):
         train_in_process(write_config(world, "lora_wrong", **{"heads.exit_layers": [2]}, **wrong))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_mixed_precision_follows_the_cpu_and_bf16_without_native_kernels_warns(monkeypatch, native):
+    from selfspec import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"} if native else {"avx2"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "training"))
+    assert common.resolve_mixed_precision("auto") == ("bf16" if native else "no")
+    assert common.resolve_mixed_precision("no") == "no"
+    if native:
+        assert common.resolve_mixed_precision("bf16") == "bf16"
+    else:
+        with pytest.warns(UserWarning, match="bf16.*no native bf16.*train.mixed_precision=auto"):
+            assert common.resolve_mixed_precision("bf16") == "bf16"
+    shipped = [
+        yaml.safe_load(path.read_text())["train"]["mixed_precision"] for path in (ROOT / "configs").glob("*.yaml")
+    ]
+    assert set(shipped) == {"auto"}
