@@ -1,8 +1,8 @@
 """selfspec: exact self-speculative decoding for Hugging Face causal language models."""
 
-from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from .drafter import FINAL, Draft, Drafter, DrafterContractError, Verified
-from .drafters import EarlyExitDrafter, MedusaDrafter, frequent_tokens
+from .adapter import FINAL, SUPPORTED_ARCHITECTURES, UnsupportedModelError, frequent_tokens
+from .drafter import Draft, Drafter, DrafterContractError, Verified
+from .drafters import EarlyExitDrafter, MedusaDrafter
 from .eagle import EagleDrafter
 from .generation import UnsupportedGenerationArgument
 from .heads import DraftHeads, EagleHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads

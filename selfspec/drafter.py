@@ -29,7 +29,6 @@ import torch
 from .state import DecodeState
 
 MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
-FINAL = "final"  # in `hidden_layers`: the target's last hidden state after its final norm (the LM head's input)
 
 # process(tokens [batch, G], logits [batch, P, V], offset) -> processed scores [batch, P, V] of the P
 # positions after the committed tokens and tokens[:, :offset + i]

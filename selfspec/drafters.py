@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .adapter import DraftVocabulary, ModelAdapter
-from .drafter import FINAL, Draft, Drafter, Processing, Verified, draft_chain
+from .adapter import FINAL, DraftVocabulary, ModelAdapter, draft_head_size
+from .drafter import Draft, Drafter, Processing, Verified, draft_chain
 from .lora import DraftLoRA
 from .ngram import NGramDrafter
 from .state import DecodeState
@@ -66,9 +66,9 @@ class EarlyExitDrafter(Drafter):
         layers = [sum(p.numel() for p in layer.parameters()) for layer in self.adapter.layers]
         head = sum(p.numel() for p in self.adapter.lm_head.parameters())
         extra = sum(p.numel() for p in self.head.parameters()) if self.head is not None else 0
-        return (sum(layers[: self.exit_layer]) + extra + draft_head_size(self.adapter, self.vocab, self.lora)) / (
-            sum(layers) + head
-        )
+        return (
+            sum(layers[: self.exit_layer]) + extra + draft_head_size(self.adapter.lm_head, self.vocab, self.lora)
+        ) / (sum(layers) + head)
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
@@ -155,7 +155,7 @@ class MedusaDrafter(Drafter):
         if heads.own_lm_head:
             per_head += sum(p.numel() for p in heads.lm_heads.parameters()) / heads.num_heads
         else:
-            per_head += draft_head_size(self.adapter, self.vocab, heads.draft_lora)
+            per_head += draft_head_size(self.adapter.lm_head, self.vocab, heads.draft_lora)
         return per_head / (layers + head)
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
@@ -182,31 +182,6 @@ class MedusaDrafter(Drafter):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the hidden states of the rows still generating."""
         self._hidden = self._hidden[rows]
-
-
-def frequent_tokens(token_ids, count: int, always=()) -> torch.Tensor:
-    """The `count` most frequent token ids in `token_ids` (a tensor, or an iterable of tensors, e.g. your
-    tokenised data), plus `always` (e.g. the EOS id): a draft vocabulary for `SelfSpeculative(draft_vocab=)`.
-    Ties go to the smaller id; the result is sorted."""
-    parts = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
-    flat = torch.cat([torch.as_tensor(part).flatten() for part in parts]).long()
-    order = torch.sort(torch.bincount(flat), descending=True, stable=True).indices[:count]  # ties: smaller id
-    return torch.cat([order, torch.as_tensor(list(always), dtype=torch.long)]).unique()
-
-
-def draft_head_size(adapter: ModelAdapter, vocab: DraftVocabulary | None, lora: DraftLoRA | None = None) -> int:
-    """Parameters of the LM head a draft token reads: all of it, or the draft vocabulary's rows, and the
-    draft LoRA's factors (B's rows for the draft vocabulary only)."""
-    if vocab is None:
-        size = sum(p.numel() for p in adapter.lm_head.parameters())
-    else:
-        # in the model's dtype's units: an int8 copy reads a quarter of float32's bytes
-        weight = vocab.weight.numel() * vocab.weight.element_size() / adapter.dtype.itemsize
-        size = weight + (vocab.bias.numel() if vocab.bias is not None else 0)
-    if lora is not None:
-        rows = adapter.vocab_size if vocab is None else vocab.ids.numel()
-        size += lora.r * (lora.lora_A.in_features + rows)
-    return size
 
 
 def build_drafters(

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from .adapter import ModelAdapter, additive_mask
+from .adapter import ModelAdapter, additive_mask, draft_head_size
 from .drafter import Draft, Drafter, Processing, Verified, draft_chain
-from .drafters import draft_head_size
 from .state import DecodeState
 from .tree import CandidateTree
 
@@ -92,7 +91,7 @@ class EagleDrafter(Drafter):
         head -= sum(p.numel() for p in self.heads.draft_lora.parameters()) if self.heads.draft_lora else 0
         target = sum(p.numel() for p in self.adapter.layers.parameters())
         target += sum(p.numel() for p in self.adapter.lm_head.parameters())
-        return (head + draft_head_size(self.adapter, self.vocab, self.heads.draft_lora)) / target
+        return (head + draft_head_size(self.adapter.lm_head, self.vocab, self.heads.draft_lora)) / target
 
     def _features(self, hidden: dict) -> torch.Tensor:
         return torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)

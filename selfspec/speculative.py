@@ -9,11 +9,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
 from .adaptive import DraftController, check_position_cost, choose_drafter
 from .call import Call
-from .drafter import FINAL, Draft, Drafter, Verified, check_draft, pick, target_pass
+from .drafter import Draft, Drafter, Verified, check_draft, pick, target_pass
 from .drafters import build_drafters
 from .generation import (
     GenerationSetup,

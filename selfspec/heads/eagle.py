@@ -22,9 +22,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..adapter import ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
+from ..adapter import FINAL, ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
 from ..distill import Costs, Draft, expected_tokens
-from ..drafter import FINAL
 from .base import DraftHeads, DraftSetting, HeadsMismatchError, on_target
 
 if TYPE_CHECKING:
