@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .adapter import DraftVocabulary, ModelAdapter
-from .adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
+from .engine.adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
 
 if TYPE_CHECKING:  # each kind of heads builds its drafts from this module's `Draft`
     from .heads import DraftHeads

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from .adapter import FINAL, DraftVocabulary, ModelAdapter, draft_head_size
-from .drafter import Draft, Drafter, Processing, Verified, draft_chain
+from .engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
+from .engine.state import DecodeState
+from .engine.tree import CandidateTree
 from .lora import DraftLoRA
 from .ngram import NGramDrafter
-from .state import DecodeState
-from .tree import CandidateTree
 
 if TYPE_CHECKING:
     from .heads import DraftHeads, MedusaHeads

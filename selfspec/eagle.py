@@ -26,9 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from .adapter import ModelAdapter, additive_mask, draft_head_size
-from .drafter import Draft, Drafter, Processing, Verified, draft_chain
-from .state import DecodeState
-from .tree import CandidateTree
+from .engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
+from .engine.state import DecodeState
+from .engine.tree import CandidateTree
 
 if TYPE_CHECKING:
     from .heads.eagle import EagleHeads

@@ -11,11 +11,11 @@ from torch import nn
 
 from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .adaptive import DraftController, check_position_cost, choose_drafter
-from .call import Call
-from .drafter import Draft, Drafter, Verified, check_draft, pick, target_pass
 from .drafters import build_drafters
-from .generation import (
+from .engine.adaptive import DraftController, check_position_cost, choose_drafter
+from .engine.call import Call
+from .engine.drafter import Draft, Drafter, Verified, check_draft, pick, target_pass
+from .engine.generation import (
     GenerationSetup,
     UnsupportedGenerationArgument,
     generate_output,
@@ -23,10 +23,10 @@ from .generation import (
     process_scores,
     process_tree_scores,
 )
+from .engine.state import DecodeState
+from .engine.stats import GenerationStats, Stopwatch
+from .engine.verify import Verdict, accept_greedy, accept_sampling, accept_tree
 from .heads import DraftHeads, load_heads
-from .state import DecodeState
-from .stats import GenerationStats, Stopwatch
-from .verify import Verdict, accept_greedy, accept_sampling, accept_tree
 
 
 class SelfSpeculative:

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from .adapter import ModelAdapter
-from .adaptive import PositionCost, position_cost_from
 from .bench import DEFAULT_TREE, cut_tree
 from .distill import _timed, measure_costs
+from .engine.adaptive import PositionCost, position_cost_from
+from .engine.stats import sum_stats
 from .heads import DraftHeads
 from .speculative import SelfSpeculative
-from .stats import sum_stats
 
 CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
     [[0], [1], [0, 0], [1, 0], [0, 0, 0]],

@@ -13,7 +13,7 @@ from torch import nn
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
 from ..distill import Costs, Draft, expected_tokens
 from ..drafters import MedusaDrafter
-from ..tree import CandidateTree
+from ..engine.tree import CandidateTree
 from .base import DraftHeads, DraftSetting, on_target
 
 if TYPE_CHECKING:
