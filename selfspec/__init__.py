@@ -1,13 +1,13 @@
 """selfspec: exact self-speculative decoding for Hugging Face causal language models."""
 
 from .adapter import FINAL, SUPPORTED_ARCHITECTURES, UnsupportedModelError, frequent_tokens
-from .drafters import EarlyExitDrafter, MedusaDrafter
-from .eagle import EagleDrafter
+from .drafters.eagle import EagleDrafter
+from .drafters.early_exit import EarlyExitDrafter, MedusaDrafter
+from .drafters.ngram import NGramDrafter
 from .engine.drafter import Draft, Drafter, DrafterContractError, Verified
 from .engine.generation import UnsupportedGenerationArgument
 from .engine.stats import GenerationStats
 from .heads import DraftHeads, EagleHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
-from .ngram import NGramDrafter
 from .speculative import SelfSpeculative
 from .targets import KNOWN_TARGETS, load_known_target, load_model
 

@@ -66,10 +66,10 @@ def add_profile_parser(commands) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """`selfspec profile`: print the table, write the plot, optionally log a W&B run."""
     from .adapter import ModelAdapter
-    from .config import DataConfig, EvalConfig, default_exit_layers
-    from .data import load_rows, row_tensor
     from .heads import ExitHeads, load_heads
     from .profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
+    from .training.config import DataConfig, EvalConfig, default_exit_layers
+    from .training.data import load_rows, row_tensor
 
     check_plotting()
     set_threads(args.num_threads)
@@ -164,8 +164,8 @@ EXTRAS = {"matplotlib": "demo", "tqdm": "demo", "yaml": "demo", "datasets": "tra
 def bundled_heldout() -> str:
     """The demo target's held-out files that this Python's standard library has, comma-separated (the list is
     CPython 3.11's; a few of the files are missing in other versions)."""
-    from .config import TrainHeadsConfig, load_config
-    from .data import expand_globs
+    from .training.config import TrainHeadsConfig, load_config
+    from .training.data import expand_globs
 
     patterns = load_config(TrainHeadsConfig, BUNDLED_CONFIG).data.heldout_files
     files = expand_globs(patterns, required=False)

@@ -17,9 +17,9 @@ from torch import nn
 
 from .adapter import DraftVocabulary, ModelAdapter
 from .bench import markdown_table
-from .config import EvalConfig, TrainHeadsConfig
-from .distill import Costs, measure_costs, score_sums, target_pass
 from .heads import DraftHeads
+from .training.config import EvalConfig, TrainHeadsConfig
+from .training.distill import Costs, measure_costs, score_sums, target_pass
 
 METRICS = ("kl", "alpha", "top1")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .drafters import build_drafters
+from .drafters.early_exit import build_drafters
 from .engine.adaptive import check_position_cost
 from .engine.drafter import Drafter
 from .engine.loop import DecodingLoop

@@ -30,11 +30,11 @@ from torch import nn
 
 from .adapter import ModelAdapter
 from .bench import DEFAULT_TREE, cut_tree
-from .distill import _timed, measure_costs
 from .engine.adaptive import PositionCost, position_cost_from
 from .engine.stats import sum_stats
 from .heads import DraftHeads
 from .speculative import SelfSpeculative
+from .training.distill import _timed, measure_costs
 
 CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
     [[0], [1], [0, 0], [1, 0], [0, 0, 0]],

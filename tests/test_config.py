@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from selfspec.config import (
+from selfspec.training.config import (
     TrainHeadsConfig,
     config_differences,
     default_exit_layers,

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, tiny_model
 
 from selfspec.adapter import ModelAdapter
-from selfspec.distill import (
+from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.training.distill import (
     Costs,
     DistillationObjective,
     acceptance_rate,
@@ -26,7 +27,6 @@ from selfspec.distill import (
     target_pass,
     top1_agreement,
 )
-from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
 
 
 def logits_of(*distributions: list[float]) -> torch.Tensor:

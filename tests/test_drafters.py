@@ -14,7 +14,7 @@ from tiny_models import padded_prompts, random_prompt, tiny_model
 
 from selfspec import Draft, Drafter, DrafterContractError, ExitHeads, NGramDrafter, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.ngram import find_continuations
+from selfspec.drafters.ngram import find_continuations
 
 
 class ShiftDrafter(Drafter):

@@ -14,10 +14,10 @@ from transformers import DynamicCache
 
 from selfspec import SelfSpeculative
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
-from selfspec.config import HeadsConfig
-from selfspec.distill import DistillationObjective, target_pass
-from selfspec.eagle import append_right_aligned
+from selfspec.drafters.eagle import append_right_aligned
 from selfspec.heads import EagleHeads, HeadsMismatchError, load_heads
+from selfspec.training.config import HeadsConfig
+from selfspec.training.distill import DistillationObjective, target_pass
 
 
 def eagle_heads(model, seed: int = 0, **settings) -> EagleHeads:

@@ -15,10 +15,10 @@ from transformers import DynamicCache
 from selfspec import SelfSpeculative, frequent_tokens
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
 from selfspec.cli import main
-from selfspec.config import HeadsConfig
 from selfspec.export import export_eagle, load_export
 from selfspec.heads import EagleHeads, HeadsMismatchError
 from selfspec.lora import DraftLoRA
+from selfspec.training.config import HeadsConfig
 
 H, V, LAYERS = 32, 96, 8  # tiny_model's hidden size and vocabulary; EAGLE's default layers at 8: [1, 3, 4]
 HEADS, KV_HEADS, HEAD_DIM, MLP = 4, 2, 8, 64

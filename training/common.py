@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 from accelerate import Accelerator
 
-from selfspec.config import config_differences, load_config, save_config
+from selfspec.training.config import config_differences, load_config, save_config
 
 ConfigT = TypeVar("ConfigT")
 

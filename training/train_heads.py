@@ -31,9 +31,6 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
-from selfspec.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.data import load_rows, row_tensor
-from selfspec.distill import DistillationObjective, state_digest, target_pass
 from selfspec.heads import KINDS, DraftHeads, load_heads
 from selfspec.lora import DraftLoRA, peft_lora_config
 from selfspec.profile import (
@@ -48,6 +45,9 @@ from selfspec.profile import (
     wandb_objects,
 )
 from selfspec.targets import load_model
+from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
+from selfspec.training.data import load_rows, row_tensor
+from selfspec.training.distill import DistillationObjective, state_digest, target_pass
 
 from common import (
     Progress,

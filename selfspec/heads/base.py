@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft
 from ..lora import DraftLoRA
+from ..training.distill import Costs, Draft
 
 if TYPE_CHECKING:
-    from ..config import HeadsConfig
+    from ..training.config import HeadsConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -23,11 +23,11 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..adapter import FINAL, ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
-from ..distill import Costs, Draft, expected_tokens
+from ..training.distill import Costs, Draft, expected_tokens
 from .base import DraftHeads, DraftSetting, HeadsMismatchError, on_target
 
 if TYPE_CHECKING:
-    from ..config import HeadsConfig
+    from ..training.config import HeadsConfig
 
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j
 
@@ -121,7 +121,10 @@ class EagleHeads(DraftHeads):
         return adapter.lm_logits(on_target(self.body.norm(outputs), adapter), None, vocab, self.draft_lora)
 
     def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
-        from ..eagle import DynamicTree, EagleDrafter  # the drafter module imports these heads' types for checks only
+        from ..drafters.eagle import (  # the drafter module imports these heads' types for checks only
+            DynamicTree,
+            EagleDrafter,
+        )
 
         if exit_layer is not None:
             raise ValueError("exit_layer does not apply to an EAGLE head: it drafts from the target's features.")

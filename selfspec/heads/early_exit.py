@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ..adapter import ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft, best_gamma
-from ..drafters import EarlyExitDrafter
+from ..drafters.early_exit import EarlyExitDrafter
+from ..training.distill import Costs, Draft, best_gamma
 from .base import DraftHeads, DraftSetting, on_target
 
 if TYPE_CHECKING:
-    from ..config import HeadsConfig
+    from ..training.config import HeadsConfig
 
 
 class ExitHead(nn.Module):

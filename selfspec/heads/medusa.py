@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft, expected_tokens
-from ..drafters import MedusaDrafter
+from ..drafters.early_exit import MedusaDrafter
 from ..engine.tree import CandidateTree
+from ..training.distill import Costs, Draft, expected_tokens
 from .base import DraftHeads, DraftSetting, on_target
 
 if TYPE_CHECKING:
-    from ..config import HeadsConfig
+    from ..training.config import HeadsConfig
 
 
 class ResidualBlock(nn.Module):

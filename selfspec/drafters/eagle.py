@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from .adapter import ModelAdapter, additive_mask, draft_head_size
-from .engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
-from .engine.state import DecodeState
-from .engine.tree import CandidateTree
+from ..adapter import ModelAdapter, additive_mask, draft_head_size
+from ..engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
+from ..engine.state import DecodeState
+from ..engine.tree import CandidateTree
 
 if TYPE_CHECKING:
-    from .heads.eagle import EagleHeads
+    from ..heads.eagle import EagleHeads
 
 
 def append_right_aligned(old, old_counts, new, new_counts):

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .adapter import FINAL, DraftVocabulary, ModelAdapter, draft_head_size
-from .engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
-from .engine.state import DecodeState
-from .engine.tree import CandidateTree
-from .lora import DraftLoRA
+from ..adapter import FINAL, DraftVocabulary, ModelAdapter, draft_head_size
+from ..engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
+from ..engine.state import DecodeState
+from ..engine.tree import CandidateTree
+from ..lora import DraftLoRA
 from .ngram import NGramDrafter
 
 if TYPE_CHECKING:
-    from .heads import DraftHeads, MedusaHeads
+    from ..heads import DraftHeads, MedusaHeads
 
 NAMED_DRAFTERS = ("ngram", "hybrid")  # SelfSpeculative(drafter=...) by name
 

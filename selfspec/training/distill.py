@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .adapter import DraftVocabulary, ModelAdapter
-from .engine.adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
+from ..adapter import DraftVocabulary, ModelAdapter
+from ..engine.adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
 
 if TYPE_CHECKING:  # each kind of heads builds its drafts from this module's `Draft`
-    from .heads import DraftHeads
+    from ..heads import DraftHeads
 
 # ------------------------------------------------------------------------------------------ the math
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine.drafter import Draft, Drafter, Processing
-from .engine.state import DecodeState
+from ..engine.drafter import Draft, Drafter, Processing
+from ..engine.state import DecodeState
 
 
 class NGramDrafter(Drafter):

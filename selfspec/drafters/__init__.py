@@ -1,0 +1,1 @@
+"""Every built-in source of drafts, each a `selfspec.Drafter`."""
