@@ -2,7 +2,8 @@
 
 from .adapter import FINAL, SUPPORTED_ARCHITECTURES, UnsupportedModelError, frequent_tokens
 from .drafters.eagle import EagleDrafter
-from .drafters.early_exit import EarlyExitDrafter, MedusaDrafter
+from .drafters.early_exit import EarlyExitDrafter
+from .drafters.medusa import MedusaDrafter
 from .drafters.ngram import NGramDrafter
 from .engine.drafter import Draft, Drafter, DrafterContractError, Verified
 from .engine.generation import UnsupportedGenerationArgument

@@ -18,8 +18,9 @@ from torch import nn
 from .adapter import DraftVocabulary, ModelAdapter
 from .bench import markdown_table
 from .heads import DraftHeads
+from .heads.base import Costs
 from .training.config import EvalConfig, TrainHeadsConfig
-from .training.distill import Costs, measure_costs, score_sums, target_pass
+from .training.distill import measure_costs, score_sums, target_pass
 
 METRICS = ("kl", "alpha", "top1")
 

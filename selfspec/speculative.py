@@ -1,7 +1,7 @@
 """`SelfSpeculative`: wrap a causal LM, generate exactly what it generates, in fewer full passes.
 
 The wrapper builds what the decoding loop (`selfspec.engine.loop`) runs on from its arguments, and checks them: the
-target's adapter, the heads, the drafters, gamma and the costs of adaptive drafting."""
+target's adapter, the heads, the drafters (`selfspec.drafters.build`), gamma and the costs of adaptive drafting."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .drafters.early_exit import build_drafters
+from .drafters.build import build_drafters
 from .engine.adaptive import check_position_cost
 from .engine.drafter import Drafter
 from .engine.loop import DecodingLoop

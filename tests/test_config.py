@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from selfspec.heads import default_exit_layers
 from selfspec.training.config import (
     TrainHeadsConfig,
     config_differences,
-    default_exit_layers,
     load_config,
     parse_overrides,
     save_config,

@@ -11,16 +11,14 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, tiny_model
 
 from selfspec.adapter import ModelAdapter
+from selfspec.engine.adaptive import best_gamma, expected_tokens, predicted_speedup
 from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.heads.base import Costs
 from selfspec.training.distill import (
-    Costs,
     DistillationObjective,
     acceptance_rate,
-    best_gamma,
-    expected_tokens,
     kl_divergence,
     measure_costs,
-    predicted_speedup,
     score_sums,
     soft_cross_entropy,
     state_digest,

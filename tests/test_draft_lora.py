@@ -10,7 +10,7 @@ from tiny_models import random_prompt, tiny_model
 
 from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
-from selfspec.lora import DraftLoRA, peft_lora_config
+from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.training.distill import state_digest
 
 
@@ -39,7 +39,7 @@ def test_peft_builds_the_factors_and_leaves_the_target_alone():
     assert state_digest(model) == before and [p.requires_grad for p in model.parameters()] == flags
     assert lora.lora_A.weight.abs().sum() > 0  # peft's Kaiming init of A
     # the same factors inside peft's own LoRA layer give what the drafts compute
-    from selfspec.lora import _LMHeadHolder
+    from selfspec.heads.lora import _LMHeadHolder
 
     peft_layer = get_peft_model(_LMHeadHolder(lm_head), peft_lora_config(4, 8)).base_model.model.lm_head
     name = next(iter(peft_layer.lora_A))

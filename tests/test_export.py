@@ -17,7 +17,7 @@ from selfspec.adapter import ModelAdapter, UnsupportedModelError
 from selfspec.cli import main
 from selfspec.export import export_eagle, load_export
 from selfspec.heads import EagleHeads, HeadsMismatchError
-from selfspec.lora import DraftLoRA
+from selfspec.heads.lora import DraftLoRA
 from selfspec.training.config import HeadsConfig
 
 H, V, LAYERS = 32, 96, 8  # tiny_model's hidden size and vocabulary; EAGLE's default layers at 8: [1, 3, 4]

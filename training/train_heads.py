@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
 from selfspec.heads import KINDS, DraftHeads, load_heads
-from selfspec.lora import DraftLoRA, peft_lora_config
+from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.profile import (
     configure_wandb,
     evaluate,

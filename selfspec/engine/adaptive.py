@@ -13,6 +13,7 @@ Decisions depend only on acceptances, never on wall-clock time, so a seeded run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -66,6 +67,22 @@ def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: 
         return 1.0
     tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (verify_cost + gamma * draft_cost)
+
+
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens committed per iteration when draft i is accepted with probability alphas[i] once drafts
+    0..i-1 were: 1 + a_1 + a_1 a_2 + ... (the bonus or corrected token counts as the 1)."""
+    total, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        total += reach
+    return total
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float] = lambda gamma: 1.0):
+    """(gamma, S(gamma)) with the largest predicted speedup `predicted_speedup` for gamma = 1..max_gamma (a
+    speedup below 1 says that drafting at this depth cannot pay)."""
+    return max(((g, predicted_speedup(alpha, g, c, v(g))) for g in range(1, max_gamma + 1)), key=lambda x: x[1])
 
 
 @dataclass

@@ -5,19 +5,12 @@ predicts what the target's own next-token head predicts."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
-from ..drafters.early_exit import MedusaDrafter
-from ..engine.tree import CandidateTree
-from ..training.distill import Costs, Draft, expected_tokens
-from .base import DraftHeads, DraftSetting, on_target
-
-if TYPE_CHECKING:
-    from ..training.config import HeadsConfig
+from ..engine.adaptive import expected_tokens
+from .base import Costs, Draft, DraftHeads, DraftSetting, on_target
 
 
 class ResidualBlock(nn.Module):
@@ -77,13 +70,6 @@ class MedusaHeads(DraftHeads):
             "tree": self.tree,
         }
 
-    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence) -> MedusaDrafter:
-        if exit_layer is not None:
-            raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
-        tree = tree if tree is not None else self.tree  # the heads may carry a default tree; [] forces a chain
-        candidates = CandidateTree.from_paths(tree, self.num_heads) if tree else None
-        return MedusaDrafter(adapter, self, candidates, vocab, confidence)
-
     def init_own_lm_heads(self, lm_head: nn.Module) -> None:
         """Start each own LM head as a copy of the target's (so an untrained head is its next-token head)."""
         if self.lm_heads is not None:
@@ -109,7 +95,7 @@ class MedusaHeads(DraftHeads):
         return torch.stack(per_head, dim=1)
 
     @classmethod
-    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> MedusaHeads:
+    def from_config(cls, config, adapter: ModelAdapter) -> MedusaHeads:
         heads = cls(
             adapter.fingerprint(), config.num_heads, config.num_layers, config.own_lm_head, config.num_draft_tokens
         )

@@ -9,13 +9,13 @@ draft's distribution for the same token (docs/design.md, "The math"):
 - top-1 agreement: argmax q == argmax p, the greedy acceptance.
 - expected tokens per iteration E = 1 + a_1 + a_1 a_2 + ... (= (1 - alpha^(gamma+1)) / (1 - alpha) for a
   constant alpha) and the speedup S(gamma) = E / (v(gamma) + gamma c), c = t_draft / t_step and
-  v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured).
+  v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured): `selfspec.engine.adaptive`.
 
 Drafts: each kind of heads says what its drafts read and which target position teaches them
-(`DraftHeads.distillation_drafts`). An exit head k reads the pre-norm hidden state after layer k
-(`hidden_states[k]`) and predicts the next token, so its teacher is the target's distribution at the same
-position. Medusa head i (0-based) reads the normed final hidden state at position t and predicts the token
-at t+2+i, so its teacher is the target's distribution at position t+1+i.
+(`DraftHeads.distillation_drafts`, a list of `selfspec.heads.base.Draft`). An exit head k reads the pre-norm
+hidden state after layer k (`hidden_states[k]`) and predicts the next token, so its teacher is the target's
+distribution at the same position. Medusa head i (0-based) reads the normed final hidden state at position t
+and predicts the token at t+2+i, so its teacher is the target's distribution at position t+1+i.
 """
 
 from __future__ import annotations
@@ -25,18 +25,13 @@ import hashlib
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..adapter import DraftVocabulary, ModelAdapter
-from ..engine.adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
-
-if TYPE_CHECKING:  # each kind of heads builds its drafts from this module's `Draft`
-    from ..heads import DraftHeads
+from ..heads.base import Costs, Draft, DraftHeads
 
 # ------------------------------------------------------------------------------------------ the math
 
@@ -65,38 +60,7 @@ def top1_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tens
     return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
 
 
-def expected_tokens(alphas: list[float]) -> float:
-    """Tokens committed per iteration when draft i is accepted with probability alphas[i] once drafts
-    0..i-1 were: 1 + a_1 + a_1 a_2 + ... (the bonus or corrected token counts as the 1)."""
-    total, reach = 1.0, 1.0
-    for alpha in alphas:
-        reach *= alpha
-        total += reach
-    return total
-
-
-def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float] = lambda gamma: 1.0):
-    """(gamma, S(gamma)) with the largest predicted speedup `predicted_speedup` for gamma = 1..max_gamma (a
-    speedup below 1 says that drafting at this depth cannot pay)."""
-    return max(((g, predicted_speedup(alpha, g, c, v(g))) for g in range(1, max_gamma + 1)), key=lambda x: x[1])
-
-
 # --------------------------------------------------------------------------------------- the drafts
-
-
-@dataclass
-class Draft:
-    """One draft of a heads set on one batch: what its head reads and the target logits it must match."""
-
-    name: str  # exit_<k> or medusa_<i>
-    hidden: torch.Tensor  # [batch, positions, H] the head's input
-    offset: int  # the teacher of the head's position t is the target's distribution at t + offset
-    head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
-    weight: float = 1.0  # its share of the training loss (an EAGLE head weighs later unrolled steps less)
-
-    def teacher(self, per_position: torch.Tensor) -> torch.Tensor:
-        """The entries of a per-target-position tensor `[batch, T, ...]` that this draft is taught by."""
-        return per_position[:, self.offset : self.offset + self.hidden.shape[1]]
 
 
 @torch.no_grad()
@@ -178,22 +142,6 @@ def state_digest(module: nn.Module) -> str:
 
 
 # ----------------------------------------------------------------------------------- measuring c, v
-
-
-@dataclass
-class Costs:
-    """Median seconds of one full one-token step, of one draft token per draft, and (if measured) of one
-    verify pass over gamma+1 positions."""
-
-    step_s: float
-    draft_s: dict[str, float]
-    verify_s: dict[int, float] = field(default_factory=dict)
-
-    def c(self, name: str) -> float:
-        return self.draft_s[name] / self.step_s
-
-    def v(self, gamma: int) -> float:
-        return self.verify_s[gamma] / self.step_s if gamma in self.verify_s else 1.0
 
 
 def _timed(run: Callable[[object], object], state: object, device: torch.device) -> float:
