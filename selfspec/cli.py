@@ -67,7 +67,7 @@ def run_profile(args: argparse.Namespace) -> int:
     """`selfspec profile`: print the table, write the plot, optionally log a W&B run."""
     from .adapter import ModelAdapter
     from .heads import ExitHeads, default_exit_layers, load_heads
-    from .profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
+    from .measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from .training.config import DataConfig, EvalConfig
     from .training.data import load_rows, row_tensor
 

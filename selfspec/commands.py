@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .bench import (
+from .heads import EagleHeads, ExitHeads, MedusaHeads
+from .measure.bench import (
     compiled_contenders,
     generate_contender,
     markdown_table,
@@ -19,9 +20,8 @@ from .bench import (
     standard_contenders,
     write_json,
 )
-from .heads import EagleHeads, ExitHeads, MedusaHeads
+from .measure.prompts import categories_of, category_report, first_per_category, summarize_by_category
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .specbench import categories_of, category_report, first_per_category, summarize_by_category
 from .speculative import SelfSpeculative
 from .targets import DEFAULT_TARGET, default_heads
 
@@ -134,7 +134,7 @@ def add_bench_parser(commands) -> None:
 
 def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
     """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
-    from .bench import batch_table, batch_throughput
+    from .measure.bench import batch_table, batch_throughput
 
     medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
     if medusa is not None:
@@ -172,7 +172,7 @@ def add_tune_parser(commands) -> None:
 
 def run_tune_command(args: argparse.Namespace) -> int:
     from .heads import CARD_NAME
-    from .tune import apply_choice, format_choices, tune, tuned_card
+    from .measure.tune import apply_choice, format_choices, tune, tuned_card
 
     model, tokenizer, heads, prompts, vocab = load_target(args)
     if not heads:

@@ -10,7 +10,7 @@ import torch
 
 from .adapter import read_token_ids
 from .heads import DraftHeads, load_heads
-from .specbench import ChatPrompt, read_prompts
+from .measure.prompts import ChatPrompt, read_prompts
 from .targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
 
 REPOSITORY = Path(__file__).resolve().parent.parent

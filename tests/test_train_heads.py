@@ -405,7 +405,7 @@ def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["exit", "medusa", "eagle"])
 def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch):
     from selfspec.heads import EagleHeads, MedusaHeads
-    from selfspec.profile import format_table, profile_heads
+    from selfspec.measure.profile import format_table, profile_heads
     from selfspec.training.config import EvalConfig, HeadsConfig
     from selfspec.training.data import row_tensor
     from selfspec.training.distill import DistillationObjective, target_pass

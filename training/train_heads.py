@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from selfspec.adapter import ModelAdapter
 from selfspec.heads import KINDS, DraftHeads, load_heads
 from selfspec.heads.lora import DraftLoRA, peft_lora_config
-from selfspec.profile import (
+from selfspec.measure.profile import (
     configure_wandb,
     evaluate,
     format_table,

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from ..adapter import ModelAdapter
+from ..engine.adaptive import PositionCost, position_cost_from
+from ..engine.stats import sum_stats
+from ..heads import DraftHeads
+from ..speculative import SelfSpeculative
+from ..training.distill import _timed, measure_costs
 from .bench import DEFAULT_TREE, cut_tree
-from .engine.adaptive import PositionCost, position_cost_from
-from .engine.stats import sum_stats
-from .heads import DraftHeads
-from .speculative import SelfSpeculative
-from .training.distill import _timed, measure_costs
 
 CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
     [[0], [1], [0, 0], [1, 0], [0, 0, 0]],

@@ -15,12 +15,12 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from .adapter import DraftVocabulary, ModelAdapter
+from ..adapter import DraftVocabulary, ModelAdapter
+from ..heads import DraftHeads
+from ..heads.base import Costs
+from ..training.config import EvalConfig, TrainHeadsConfig
+from ..training.distill import measure_costs, score_sums, target_pass
 from .bench import markdown_table
-from .heads import DraftHeads
-from .heads.base import Costs
-from .training.config import EvalConfig, TrainHeadsConfig
-from .training.distill import measure_costs, score_sums, target_pass
 
 METRICS = ("kl", "alpha", "top1")
 

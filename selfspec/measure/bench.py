@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapter.static import compiled_generate_options
-from .engine.adaptive import predicted_speedup
-from .engine.stats import sum_stats
-from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .speculative import SelfSpeculative
+from ..adapter.static import compiled_generate_options
+from ..engine.adaptive import predicted_speedup
+from ..engine.stats import sum_stats
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..speculative import SelfSpeculative
 from .ties import TIE, compare_greedy
 
 # A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.

@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m selfspec.ties --model NAME --prompts FILE`: the rounding figures quoted above."""
     import argparse
 
-    from .specbench import first_per_category, read_prompts
-    from .targets import load_model
+    from ..targets import load_model
+    from .prompts import first_per_category, read_prompts
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a known target or a model folder")
