@@ -10,17 +10,9 @@ from pathlib import Path
 import torch
 
 from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .measure.bench import (
-    compiled_contenders,
-    generate_contender,
-    markdown_table,
-    plot_speedups,
-    run_bench,
-    selfspec_contender,
-    standard_contenders,
-    write_json,
-)
-from .measure.prompts import categories_of, category_report, first_per_category, summarize_by_category
+from .measure.bench import category_report, markdown_table, plot_speedups, run_bench, summarize_by_category, write_json
+from .measure.contenders import compiled_contenders, generate_contender, selfspec_contender, standard_contenders
+from .measure.prompts import categories_of, first_per_category
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
 from .speculative import SelfSpeculative
 from .targets import DEFAULT_TARGET, default_heads

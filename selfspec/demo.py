@@ -19,16 +19,8 @@ from pathlib import Path
 import torch
 
 from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .measure.bench import (
-    COLUMNS,
-    Contender,
-    eagle_contenders,
-    generate_contender,
-    markdown_table,
-    run_bench,
-    selfspec_contender,
-    tree_for,
-)
+from .measure.bench import COLUMNS, markdown_table, run_bench
+from .measure.contenders import Contender, eagle_contenders, generate_contender, selfspec_contender, tree_for
 from .measure.ties import TIE, TIE_STEPS
 from .options import HelpFormatter, add_model_arguments, check_plotting, encode, load_target
 from .targets import DEMO_TARGET

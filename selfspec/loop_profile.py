@@ -258,7 +258,8 @@ def op_view(runs, prompt, args) -> None:
 
 def speed(model, runs, prompts, args) -> None:
     """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved (`bench.run_bench`)."""
-    from .measure.bench import Contender, generate_contender, run_bench
+    from .measure.bench import run_bench
+    from .measure.contenders import Contender, generate_contender
 
     def runner(spec):
         return lambda ids, new: spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,

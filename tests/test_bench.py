@@ -15,7 +15,9 @@ from transformers import PreTrainedTokenizerFast
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
 from selfspec.cli import main
-from selfspec.measure.bench import Contender, load_prompts, markdown_table, run_bench, standard_contenders
+from selfspec.measure.bench import markdown_table, run_bench
+from selfspec.measure.contenders import Contender, standard_contenders
+from selfspec.measure.prompts import load_prompts
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +212,7 @@ def test_batch_throughput_rows_match_the_padded_batch(model):
 def test_compiled_contenders_run_exactly_and_are_compared_with_the_compiled_generate(model):
     """--compile: transformers' static-cache compiled generate and selfspec's compiled chains, in one run; the
     compiled plain loop is the unit of the compiled contenders' c and v."""
-    from selfspec.measure.bench import compiled_contenders
+    from selfspec.measure.contenders import compiled_contenders
 
     contenders = standard_contenders(model, sampling=False, transformers_modes=False)[:2]  # generate, plain loop
     contenders += compiled_contenders(model)

@@ -20,7 +20,7 @@ from selfspec.cli import build_parser, main
 from selfspec.demo import demo_dtype, greedy_check
 from selfspec.heads import EagleHeads
 from selfspec.measure import bench
-from selfspec.measure.bench import Contender
+from selfspec.measure.contenders import Contender
 from selfspec.measure.ties import TIE
 from selfspec.targets import DEMO_TARGET, KNOWN_TARGETS
 

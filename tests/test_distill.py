@@ -14,11 +14,11 @@ from selfspec.adapter import ModelAdapter
 from selfspec.engine.adaptive import best_gamma, expected_tokens, predicted_speedup
 from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
 from selfspec.heads.base import Costs
+from selfspec.measure.costs import measure_costs
 from selfspec.training.distill import (
     DistillationObjective,
     acceptance_rate,
     kl_divergence,
-    measure_costs,
     score_sums,
     soft_cross_entropy,
     state_digest,

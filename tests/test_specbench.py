@@ -14,14 +14,9 @@ from transformers import PreTrainedTokenizerFast
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
 from selfspec.cli import main
-from selfspec.measure.bench import Contender, added_memory
-from selfspec.measure.prompts import (
-    ChatPrompt,
-    category_report,
-    first_per_category,
-    read_prompts,
-    summarize_by_category,
-)
+from selfspec.measure.bench import added_memory, category_report, summarize_by_category
+from selfspec.measure.contenders import Contender
+from selfspec.measure.prompts import ChatPrompt, first_per_category, read_prompts
 from selfspec.options import encode
 
 QUESTIONS = [  # Spec-Bench rows; words are the tiny tokenizer's tokens

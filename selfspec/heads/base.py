@@ -129,9 +129,9 @@ class DraftHeads(nn.Module):
     def cost_timers(
         self, adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, vocab
     ) -> dict[str, tuple[Callable[[object], object], list[str]]]:
-        """What `distill.measure_costs` times for c: {label: (call(cache), the drafts its time is charged to)}. A
-        call drafts after the cached context: `ids`, `positions` [1, 1] are the next token, `hidden` [1, n, H]
-        the context's normed last hidden states; `vocab` is the draft LM head (None: the model's own)."""
+        """What `selfspec.measure.costs.measure_costs` times for c: {label: (call(cache), the drafts its time is
+        charged to)}. A call drafts after the cached context: `ids`, `positions` [1, 1] are the next token, `hidden`
+        [1, n, H] the context's normed last hidden states; `vocab` is the draft LM head (None: the model's own)."""
         raise self._missing("cost_timers")
 
     def speedups(self, alphas: dict[str, float], costs: Costs, max_gamma: int) -> dict[str, dict]:

@@ -19,8 +19,9 @@ from ..adapter import DraftVocabulary, ModelAdapter
 from ..heads import DraftHeads
 from ..heads.base import Costs
 from ..training.config import EvalConfig, TrainHeadsConfig
-from ..training.distill import measure_costs, score_sums, target_pass
+from ..training.distill import score_sums, target_pass
 from .bench import markdown_table
+from .costs import measure_costs
 
 METRICS = ("kl", "alpha", "top1")
 
