@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.cli import main
+from selfspec.cli.main import main
 from selfspec.measure.bench import markdown_table, run_bench
 from selfspec.measure.contenders import Contender, standard_contenders
 from selfspec.measure.prompts import load_prompts

@@ -15,9 +15,9 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec import demo, options
-from selfspec.cli import build_parser, main
-from selfspec.demo import demo_dtype, greedy_check
+from selfspec.cli import demo, options
+from selfspec.cli.demo import demo_dtype, greedy_check
+from selfspec.cli.main import build_parser, main
 from selfspec.heads import EagleHeads
 from selfspec.measure import bench
 from selfspec.measure.contenders import Contender

@@ -13,11 +13,11 @@ from transformers import PreTrainedTokenizerFast
 
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.cli import main
+from selfspec.cli.main import main
+from selfspec.cli.options import encode
 from selfspec.measure.bench import added_memory, category_report, summarize_by_category
 from selfspec.measure.contenders import Contender
 from selfspec.measure.prompts import ChatPrompt, first_per_category, read_prompts
-from selfspec.options import encode
 
 QUESTIONS = [  # Spec-Bench rows; words are the tiny tokenizer's tokens
     {"question_id": 1, "category": "writing", "turns": ["t5 t6", "t7 t8"]},

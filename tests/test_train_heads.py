@@ -321,7 +321,7 @@ def test_two_processes_train_what_one_process_trains(world, baseline):
 
 
 def test_profile_command_prints_untrained_and_trained_alpha(world, baseline, capsys):
-    from selfspec.cli import main
+    from selfspec.cli.main import main
 
     os.environ.setdefault("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     output = world["root"] / "profile"

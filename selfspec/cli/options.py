@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from .adapter import read_token_ids
-from .heads import DraftHeads, load_heads
-from .measure.prompts import ChatPrompt, read_prompts
-from .targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
+from ..adapter import read_token_ids
+from ..heads import DraftHeads, load_heads
+from ..measure.prompts import ChatPrompt, read_prompts
+from ..targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
 BUNDLED_CONFIG = REPOSITORY / "configs" / "train_heads_demo.yaml"  # lists the demo target's held-out files
 THREADS_HELP = (
@@ -113,7 +113,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
 
 def load_target(args: argparse.Namespace):
     """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line."""
-    from .adapter import ModelAdapter
+    from ..adapter import ModelAdapter
 
     set_threads(args.num_threads)
     path = target_path(args.model)

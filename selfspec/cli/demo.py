@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .measure.bench import COLUMNS, markdown_table, run_bench
-from .measure.contenders import Contender, eagle_contenders, generate_contender, selfspec_contender, tree_for
-from .measure.ties import TIE, TIE_STEPS
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..measure.bench import COLUMNS, markdown_table, run_bench
+from ..measure.contenders import Contender, eagle_contenders, generate_contender, selfspec_contender, tree_for
+from ..measure.ties import TIE, TIE_STEPS
+from ..targets import DEMO_TARGET
 from .options import HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .targets import DEMO_TARGET
 
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
 # How the demo runs SmolLM2-135M-Instruct (other targets: float32 and every mode their heads allow). bfloat16: on a
@@ -91,8 +91,8 @@ def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
 
 def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
     """Analytic alpha per exit depth, untrained exit next to trained heads, on the given token sequences."""
-    from .adapter import ModelAdapter
-    from .measure.profile import evaluate, report_rows, untrained_like
+    from ..adapter import ModelAdapter
+    from ..measure.profile import evaluate, report_rows, untrained_like
 
     adapter = ModelAdapter(model)
     length = min(s.shape[-1] for s in sequences)
@@ -168,7 +168,7 @@ def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .measure.profile import format_table, plot_alpha
+    from ..measure.profile import format_table, plot_alpha
 
     check_plotting()
     args.dtype = args.dtype or demo_dtype(args.model)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from .heads import EagleHeads, ExitHeads, MedusaHeads
-from .measure.bench import category_report, markdown_table, plot_speedups, run_bench, summarize_by_category, write_json
-from .measure.contenders import compiled_contenders, generate_contender, selfspec_contender, standard_contenders
-from .measure.prompts import categories_of, first_per_category
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..measure.bench import category_report, markdown_table, plot_speedups, run_bench, summarize_by_category, write_json
+from ..measure.contenders import compiled_contenders, generate_contender, selfspec_contender, standard_contenders
+from ..measure.prompts import categories_of, first_per_category
+from ..speculative import SelfSpeculative
+from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .speculative import SelfSpeculative
-from .targets import DEFAULT_TARGET, default_heads
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -126,7 +126,7 @@ def add_bench_parser(commands) -> None:
 
 def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
     """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
-    from .measure.bench import batch_table, batch_throughput
+    from ..measure.bench import batch_table, batch_throughput
 
     medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
     if medusa is not None:
@@ -163,8 +163,8 @@ def add_tune_parser(commands) -> None:
 
 
 def run_tune_command(args: argparse.Namespace) -> int:
-    from .heads import CARD_NAME
-    from .measure.tune import apply_choice, format_choices, tune, tuned_card
+    from ..heads import CARD_NAME
+    from ..measure.tune import apply_choice, format_choices, tune, tuned_card
 
     model, tokenizer, heads, prompts, vocab = load_target(args)
     if not heads:
