@@ -43,7 +43,7 @@ class SelfSpeculative(DecodingLoop):
             {"nodes": 8, "top_k": 3, "depth": 4}: candidates verified per pass, children per expanded node and
             nodes expanded per depth, depth. Trees draft for one prompt at a time.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
-            down to plain decoding when drafting does not pay (see `selfspec.adaptive`); with several drafters,
+            down to plain decoding when drafting does not pay (see `selfspec.engine.adaptive`); with several drafters,
             also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
             exact either way.
         draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.

@@ -1,4 +1,4 @@
-"""selfspec/config.py: YAML <-> dataclass configs with dotted overrides, and the shipped configs."""
+"""selfspec/training/config.py: YAML <-> dataclass configs with dotted overrides, and the shipped configs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The distillation and speedup math of selfspec/distill.py on hand-made tensors and tiny models."""
+"""The distillation and speedup math (selfspec/training/distill.py, selfspec/engine/adaptive.py, the timing of
+selfspec/measure/costs.py) on hand-made tensors and tiny models."""
 
 from __future__ import annotations
 

@@ -359,7 +359,7 @@ class ModelAdapter:
     ) -> torch.Tensor:
         """The LM head (the model's own unless another is given), the model's logit scaling and soft-capping; with a
         draft `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf; with a draft
-        `lora` (`selfspec.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
+        `lora` (`selfspec.heads.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
         if lora is not None and lm_head is not None:
             raise ValueError("A draft LoRA adapts the model's own LM head, not a head's own.")
         if vocab is not None and lm_head is None:

@@ -1,5 +1,6 @@
-"""`selfspec bench` and `selfspec tune` on the command line: load the target (`selfspec.options`), run
-`selfspec.bench` or `selfspec.tune`, print and write the results. Without --model they run on the bundled toy target."""
+"""`selfspec bench` and `selfspec tune` on the command line: load the target (`selfspec.cli.options`), run
+`selfspec.measure.bench` or `selfspec.measure.tune`, print and write the results. Without --model they run on the
+bundled toy target."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-in
 in bfloat16: plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the
 draft vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
 target pass, and checks the greedy outputs against `model.generate`'s: in bfloat16 up to ties of its top-2 scores
-(`selfspec.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead (heads/demo-target,
-trained by this project) on held-out code prompts, with every kind of its heads and alpha per exit depth (also as a
-PNG).
+(`selfspec.measure.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead
+(heads/demo-target, trained by this project) on held-out code prompts, with every kind of its heads and alpha per
+exit depth (also as a PNG).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[
     """The demo's greedy check over the selfspec contenders' runs: (report lines: the rule applied, each mode's
     count of prompts identical to model.generate and left at a tie, the verdict; failures: one line per mode whose
     output left model.generate's other than at a tie). The verdicts are `run_bench`'s, by
-    `selfspec.ties.compare_greedy`: in float32 identical tokens, in half precision identical up to a tie."""
+    `selfspec.measure.ties.compare_greedy`: in float32 identical tokens, in half precision identical up to a tie."""
     name = str(dtype).removeprefix("torch.")
     if dtype == torch.float32:
         rule = f"Greedy check ({name}): each output must equal model.generate's, token for token."

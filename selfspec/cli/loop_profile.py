@@ -269,7 +269,8 @@ def op_view(runs, prompt, args) -> None:
 
 
 def speed(model, runs, prompts, args) -> None:
-    """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved (`bench.run_bench`)."""
+    """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved
+    (`selfspec.measure.bench.run_bench`)."""
     from ..measure.bench import run_bench
     from ..measure.contenders import Contender, generate_contender
 

@@ -98,7 +98,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
         parser.add_argument(
             "--dtype",
             help=f"float32 | bfloat16 | float16 | auto (default: bfloat16 for {DEMO_TARGET}, where the greedy check "
-            "allows ties of the top-2 scores, selfspec.ties; float32, token for token, for other targets)",
+            "allows ties of the top-2 scores, selfspec.measure.ties; float32, token for token, for other targets)",
         )
     else:
         parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")

@@ -43,7 +43,7 @@ class EarlyExitDrafter(Drafter):
         self.exit_layer = exit_layer
         self.head = head
         self.vocab = vocab
-        self.lora = lora  # a draft-only LoRA on the shared LM head (`selfspec.lora`)
+        self.lora = lora  # a draft-only LoRA on the shared LM head (`selfspec.heads.lora`)
         self._hidden: list[torch.Tensor] = []
 
     @classmethod

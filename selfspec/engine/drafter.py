@@ -1,7 +1,7 @@
 """The drafter interface: everything the decoding loop asks of a source of draft tokens.
 
 A drafter proposes tokens x_1..x_G with the distribution q they were drawn from; the loop verifies them
-in one pass of the target and the accept-reject rule (`selfspec.verify`) keeps exactly the tokens the
+in one pass of the target and the accept-reject rule (`selfspec.engine.verify`) keeps exactly the tokens the
 target would have produced, whatever q is, as long as each x_i really was drawn from q_i (a point mass
 for a deterministic proposer). So a drafter decides speed, never output. See docs/design.md.
 
@@ -14,8 +14,8 @@ One iteration, as the loop drives it:
     drafter.accept(Verified(...))                                  every drafter, whoever drafted
     drafter.select_rows(rows)                                      rows that finished left the batch
 
-`begin(state, hidden)` starts a `generate` call after the prefill. Built-in drafters: early exit and Medusa
-heads (`selfspec.drafters`), n-gram prompt lookup (`selfspec.ngram`).
+`begin(state, hidden)` starts a `generate` call after the prefill. Built-in drafters (`selfspec.drafters`): early
+exit, Medusa and EAGLE heads, n-gram prompt lookup.
 """
 
 from __future__ import annotations

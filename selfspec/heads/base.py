@@ -78,7 +78,7 @@ class Costs:
 
 class DraftHeads(nn.Module):
     """What every kind of heads shares: the target fingerprint, a default gamma, an optional draft-only LoRA
-    on the shared LM head (`selfspec.lora`), the folder format."""
+    on the shared LM head (`selfspec.heads.lora`), the folder format."""
 
     kind = ""
 

@@ -187,7 +187,7 @@ def summarize(contenders: list[Contender]) -> list[dict]:
 
 def match_summary(verdicts: list) -> bool | str | None:
     """Over a contender's greedy runs: True if all were identical to model.generate, False if any differed
-    other than at a tie, else `TIE` (see `selfspec.ties`); None for sampling contenders."""
+    other than at a tie, else `TIE` (see `selfspec.measure.ties`); None for sampling contenders."""
     if not verdicts:
         return None
     if any(verdict is False for verdict in verdicts):

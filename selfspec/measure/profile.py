@@ -1,7 +1,7 @@
 """Measure draft heads on held-out text: evaluation, the alpha / c / speedup table, its plot and card.
 
 Shared by `training/train_heads.py` (held-out evaluation during training) and `selfspec profile`; the text
-itself comes from `selfspec.data`.
+itself comes from `selfspec.training.data`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ For each draft (an exit depth, or the Medusa heads) it measures
   positions over one plain step (`selfspec.measure.costs`). An early-exit verify runs its lower k
   layers for one position only (their KV entries come from the draft), so its v is taken as
   1 + (L - k) / L (v(gamma) - 1): the extra positions cost in the upper layers alone;
-- r, the position cost of the batch-aware controller (`selfspec.adaptive.DraftController`), per batch size in
+- r, the position cost of the batch-aware controller (`selfspec.engine.adaptive.DraftController`), per batch size in
   use: one full pass over rows x (gamma+1) positions against one over rows x 1, for gamma = 1..max_gamma, at
   each of `batch_sizes` (a batch-1 fit measures mostly per-pass overhead, and would keep gamma near 0 at batch
   sizes where a device verifies more positions almost for free);
