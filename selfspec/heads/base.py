@@ -81,6 +81,7 @@ class DraftHeads(nn.Module):
     on the shared LM head (`selfspec.heads.lora`), the folder format."""
 
     kind = ""
+    setting_names: tuple[str, ...] = ()  # the constructor arguments that `settings` records, each an attribute too
 
     def __init__(
         self,
@@ -98,8 +99,10 @@ class DraftHeads(nn.Module):
         )
 
     def settings(self) -> dict:
-        """The constructor arguments (besides the fingerprint) that rebuild these heads."""
-        raise self._missing("settings")
+        """The constructor arguments (besides the fingerprint) that rebuild these heads: `setting_names`."""
+        if not self.setting_names:
+            raise self._missing("settings")
+        return {name: getattr(self, name) for name in self.setting_names}
 
     # What training (selfspec.training.distill), `selfspec profile` and `selfspec tune` need of a kind: each kind
     # implements these, so that none of them asks which kind it holds. (Its drafter is `selfspec.drafters`'.)

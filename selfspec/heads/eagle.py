@@ -43,6 +43,7 @@ class EagleHeads(DraftHeads):
     then the target's LM head (shared) or a draft vocabulary's rows of it."""
 
     kind = "eagle"
+    setting_names = ("layer_config", "feature_layers", "unroll", "layout", "num_draft_tokens")
 
     def __init__(
         self,
@@ -86,15 +87,6 @@ class EagleHeads(DraftHeads):
     def features(self) -> tuple[int | str, ...]:
         """The target hidden states the head reads, in `fuse`'s order (`Drafter.hidden_layers`)."""
         return tuple(self.feature_layers) if self.feature_layers is not None else (FINAL,)
-
-    def settings(self) -> dict:
-        return {
-            "layer_config": self.layer_config,
-            "feature_layers": self.feature_layers,
-            "unroll": self.unroll,
-            "layout": self.layout,
-            "num_draft_tokens": self.num_draft_tokens,
-        }
 
     # ------------------------------------------------------------------------------------ drafting
     def fused(self, features: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ class ExitHeads(DraftHeads):
     """One `ExitHead` per exit depth, each with its own parameters, for one target model."""
 
     kind = "exit"
+    setting_names = ("exit_layers", "intermediate_size", "num_draft_tokens", "exit_layer")
 
     def __init__(
         self,
@@ -71,14 +72,6 @@ class ExitHeads(DraftHeads):
                 f"These heads were trained for exit layers {self.exit_layers}, not for exit_layer={exit_layer}."
             )
         return self.heads[str(exit_layer)]
-
-    def settings(self) -> dict:
-        return {
-            "exit_layers": self.exit_layers,
-            "intermediate_size": self.intermediate_size,
-            "num_draft_tokens": self.num_draft_tokens,
-            "exit_layer": self.exit_layer,
-        }
 
     @classmethod
     def from_config(cls, config, adapter: ModelAdapter) -> ExitHeads:

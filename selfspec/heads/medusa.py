@@ -31,6 +31,7 @@ class MedusaHeads(DraftHeads):
     the target's shared LM head, or by each head's own LM head when `own_lm_head`."""
 
     kind = "medusa"
+    setting_names = ("num_heads", "num_layers", "own_lm_head", "num_draft_tokens", "tree")
 
     def __init__(
         self,
@@ -60,15 +61,6 @@ class MedusaHeads(DraftHeads):
             if own_lm_head
             else None
         )
-
-    def settings(self) -> dict:
-        return {
-            "num_heads": self.num_heads,
-            "num_layers": self.num_layers,
-            "own_lm_head": self.own_lm_head,
-            "num_draft_tokens": self.num_draft_tokens,
-            "tree": self.tree,
-        }
 
     def init_own_lm_heads(self, lm_head: nn.Module) -> None:
         """Start each own LM head as a copy of the target's (so an untrained head is its next-token head)."""
