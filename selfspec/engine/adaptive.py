@@ -1,4 +1,4 @@
-"""Choosing gamma at run time from the speedup equation, so that a bad draft cannot slow generation down.
+"""The speedup equation, and choosing gamma at run time from it, so that a bad draft cannot slow generation down.
 
 With acceptance rate alpha, draft cost c (one draft token over one plain decoding step) and verify cost
 v (one pass over gamma+1 positions over one plain step), an iteration of gamma drafts gains
@@ -8,7 +8,9 @@ a running estimate of alpha from the acceptances it sees (recent iterations weig
 gamma with the largest predicted S, falls back to plain steps (gamma = 0) when no gamma beats 1, and
 probes with one draft now and then so that it notices when acceptance recovers.
 
-Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible.
+Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible. The same
+equation, with measured alphas and costs (`expected_tokens`, `best_gamma`), predicts what trained heads will gain
+(`selfspec.heads`, `selfspec tune`, `selfspec profile`).
 """
 
 from __future__ import annotations

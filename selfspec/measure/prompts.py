@@ -66,6 +66,27 @@ def chat_prompts(rows: list[dict], tokenizer, source: str = "Spec-Bench") -> lis
     return prompts
 
 
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .json list (strings, or objects with a `prompt` or `text` field) or a .jsonl file."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        items = json.loads(text)
+    elif path.suffix == ".jsonl":
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        raise ValueError(f"{path}: prompts must be a .json list or a .jsonl file, one prompt per line")
+    prompts = []
+    for number, item in enumerate(items, 1):
+        prompt = item if isinstance(item, str) else (item.get("prompt") or item.get("text"))
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: item {number} has no prompt (a string, or a `prompt` or `text` field)")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
 def read_prompts(path: str | Path, tokenizer) -> list[str]:
     """The prompts of a file: Spec-Bench questions as `ChatPrompt`s, else `load_prompts`'s strings."""
     rows = read_questions(path)
@@ -90,24 +111,3 @@ def categories_of(prompts: list[str]) -> list[str] | None:
         return None
     present = {prompt.category for prompt in prompts}
     return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
-
-
-def load_prompts(path: str | Path) -> list[str]:
-    """Prompts from a .json list (strings, or objects with a `prompt` or `text` field) or a .jsonl file."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        items = json.loads(text)
-    elif path.suffix == ".jsonl":
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        raise ValueError(f"{path}: prompts must be a .json list or a .jsonl file, one prompt per line")
-    prompts = []
-    for number, item in enumerate(items, 1):
-        prompt = item if isinstance(item, str) else (item.get("prompt") or item.get("text"))
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{path}: item {number} has no prompt (a string, or a `prompt` or `text` field)")
-        prompts.append(prompt)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
