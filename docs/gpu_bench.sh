@@ -9,7 +9,7 @@ DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
-S="python3 -m selfspec.cli"
+S="python3 -m selfspec.cli.main"
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
@@ -32,7 +32,7 @@ target="$work/demo-target"
 heads=(--heads "$target/exit-heads" --heads "$target/medusa-heads")
 step() {  # step SECONDS TITLE COMMAND...
   local limit=$1 title=$2; shift 2
-  echo -e "\n## $title\n\$ ${*#python3 -m selfspec.cli }" | tee -a "$log"
+  echo -e "\n## $title\n\$ ${*#python3 -m selfspec.cli.main }" | tee -a "$log"
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee -a "$log"
   echo "(exit ${PIPESTATUS[0]}, $((SECONDS - start)) s)" | tee -a "$log"

@@ -1,15 +1,16 @@
 """selfspec: exact self-speculative decoding for Hugging Face causal language models."""
 
-from .adapter import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from .drafter import FINAL, Draft, Drafter, DrafterContractError, Verified
-from .drafters import EarlyExitDrafter, MedusaDrafter, frequent_tokens
-from .eagle import EagleDrafter
-from .generation import UnsupportedGenerationArgument
+from .adapter import FINAL, SUPPORTED_ARCHITECTURES, UnsupportedModelError, frequent_tokens
+from .drafters.eagle import EagleDrafter
+from .drafters.early_exit import EarlyExitDrafter
+from .drafters.medusa import MedusaDrafter
+from .drafters.ngram import NGramDrafter
+from .drafters.suffix import SuffixDrafter
+from .engine.drafter import Draft, Drafter, DrafterContractError, Verified
+from .engine.generation import UnsupportedGenerationArgument
+from .engine.stats import GenerationStats
 from .heads import DraftHeads, EagleHeads, ExitHead, ExitHeads, HeadsMismatchError, MedusaHeads, load_heads
-from .ngram import NGramDrafter
 from .speculative import SelfSpeculative
-from .stats import GenerationStats
-from .suffix import SuffixDrafter
 from .targets import KNOWN_TARGETS, load_known_target, load_model
 
 __version__ = "0.1.0"

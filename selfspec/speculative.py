@@ -1,36 +1,24 @@
-"""`SelfSpeculative`: wrap a causal LM, generate exactly what it generates, in fewer full passes."""
+"""`SelfSpeculative`: wrap a causal LM, generate exactly what it generates, in fewer full passes.
+
+The wrapper builds what the decoding loop (`selfspec.engine.loop`) runs on from its arguments, and checks them: the
+target's adapter, the heads, the drafters (`selfspec.drafters.build`), gamma and the costs of adaptive drafting."""
 
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import replace
 
-import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .adaptive import DraftController, check_position_cost, choose_drafter
-from .call import Call
-from .drafter import FINAL, Draft, Drafter, Verified, check_draft, pick, target_pass
-from .drafters import build_drafters
-from .generation import (
-    GenerationSetup,
-    UnsupportedGenerationArgument,
-    generate_output,
-    prepare_generation,
-    process_scores,
-    process_tree_scores,
-)
+from .drafters.build import build_drafters
+from .engine.adaptive import check_position_cost
+from .engine.drafter import Drafter
+from .engine.loop import DecodingLoop
 from .heads import DraftHeads, load_heads
-from .state import DecodeState
-from .stats import GenerationStats, Stopwatch
-from .verify import Verdict, accept_greedy, accept_sampling, accept_tree
-from .verify_cost import measured_verify_costs
 
 
-class SelfSpeculative:
+class SelfSpeculative(DecodingLoop):
     """Self-speculative generation for a Hugging Face causal LM (a `PeftModel` too).
 
     The model drafts `num_draft_tokens` tokens with its first `exit_layer` layers and an exit head (or
@@ -55,7 +43,7 @@ class SelfSpeculative:
             {"nodes": 8, "top_k": 3, "depth": 4}: candidates verified per pass, children per expanded node and
             nodes expanded per depth, depth. Trees draft for one prompt at a time.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
-            down to plain decoding when drafting does not pay (see `selfspec.adaptive`); with several drafters,
+            down to plain decoding when drafting does not pay (see `selfspec.engine.adaptive`); with several drafters,
             also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
             exact either way.
         draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.
@@ -73,14 +61,17 @@ class SelfSpeculative:
             verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
             verification is compute-bound; one number, or {batch size: r} measured per batch size (interpolated
             between them). Default: the heads' setting (`selfspec tune` measures it), else v(gamma) measured on this
-            machine (`selfspec.verify_cost`): once per model, device, dtype and batch size, on the first call's cache,
-            about 20 passes. Sampled output is exactly distributed either way; for a seeded sampling run that repeats
-            across processes, give a position cost (the measured figures vary with the machine's load, and gamma, so
-            the random stream, follows them).
+            machine (`selfspec.engine.verify_cost`): once per model, device, dtype and batch size, on the first call's
+            cache, about 20 passes. Sampled output is exactly distributed either way; for a seeded sampling run that
+            repeats across processes, give a position cost (the measured figures vary with the machine's load, and
+            gamma, so the random stream, follows them).
         drafter: None drafts with the heads (or the untrained exit); "ngram" with n-gram prompt lookup alone
-            (`selfspec.NGramDrafter`); "hybrid" with n-gram lookup where the text has a match and the heads
-            otherwise (adaptive: whichever the speedup equation favours from the acceptance each has shown);
-            or your own `selfspec.Drafter` (or a list of them, in order of preference).
+            (`selfspec.NGramDrafter`); "suffix" with suffix drafting alone (`selfspec.SuffixDrafter`: the longest
+            earlier match in the prompt, the output and earlier calls' answers, which this wrapper's drafter keeps);
+            "hybrid" with n-gram lookup where the text has a match and the heads otherwise (adaptive: whichever the
+            speedup equation favours from the acceptance each has shown); your own `selfspec.Drafter`; or a list of
+            drafters and the names "ngram", "suffix" and "heads" (the heads' drafter), in order of preference, e.g.
+            ["suffix", "heads"].
         prompt_lookup_num_tokens, max_matching_ngram_size: the n-gram drafter's settings (transformers' names)
             for drafter="ngram" or "hybrid". Defaults: 10 and 2.
         compile: True runs the target's passes compiled (`torch.compile`, inductor) over a pre-allocated static
@@ -161,14 +152,9 @@ class SelfSpeculative:
         self.position_cost = check_position_cost(given) if given is not None else None  # None: measured per call
         self.exit_layer = getattr(self.drafter, "exit_layer", None)
         self.num_draft_tokens = max(self.draft_limits)
-        self.stats: GenerationStats | None = None
+        self.stats = None
         if self.compiled:
             self._check_compiled()
-
-    @property
-    def drafter(self) -> Drafter:
-        """The drafter (with several, the last: the heads' drafter in a hybrid)."""
-        return self.drafters[-1]
 
     def _collect_hidden_layers(self) -> tuple:
         """The target hidden states any drafter reads, checked against the model."""
@@ -213,277 +199,3 @@ class SelfSpeculative:
             f"exit_layer={self.exit_layer}/{self.adapter.num_layers}, num_draft_tokens={self.num_draft_tokens}, "
             f"heads={'trained' if self.heads is not None else 'none'})"
         )
-
-    # ------------------------------------------------------------------------------------- generate
-    @torch.no_grad()
-    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """Generate as `model.generate` does, with the same arguments and the same return type. A batch
-        of prompts is left-padded with an `attention_mask`, as `model.generate` takes it."""
-        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-        if input_ids is None:
-            raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
-        if not isinstance(input_ids, torch.Tensor):  # text, or a list of ids: model.generate takes neither
-            raise TypeError(
-                f"The prompt must be a tensor of token ids, got {type(input_ids).__name__}: tokenize it first, "
-                "e.g. spec.generate(**tokenizer(prompt, return_tensors='pt'), max_new_tokens=64)."
-            )
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise ValueError(
-                "The prompt must be a non-empty [batch, length] tensor of token ids; "
-                f"got shape {tuple(input_ids.shape)}."
-            )
-        input_ids = input_ids.to(self.adapter.device)
-        setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
-        if input_ids.shape[0] > 1:
-            self._check_batch(setup)
-        max_positions = self.adapter.max_positions
-        if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
-            raise ValueError(
-                f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({setup.max_new_tokens}) exceeds the "
-                f"model's maximum of {max_positions} positions."
-            )
-        started = time.perf_counter()
-        call, first_token, scores, logits = self._prefill(input_ids, setup)
-        finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
-        tree = self.drafter.tree if self.num_draft_tokens else None
-        measured = None
-        if self.adaptive and tree is None:
-            costs = [part.estimated_cost() for part in self.drafters[:-1]] + [self.draft_cost]
-            span = min(call.remaining, self._span_before_rope_switch(call))
-            widest = min(max(self.draft_limits), span - 1)  # the most drafts an iteration of this call may verify
-            if self.position_cost is None and not finished and widest > 0:
-                with call.watch.section("measure"):
-                    measured = measured_verify_costs(self.adapter, call.state, widest, self.hidden_layers)
-            call.controllers = [
-                DraftController(limit, cost, position_cost=self.position_cost or 0.0, verify_costs=measured)
-                for limit, cost in zip(self.draft_limits, costs, strict=True)
-            ]
-        while not finished:
-            span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
-            # a tree's deepest node sits `depth` positions after the pending token
-            if tree is not None and span >= tree.max_depth + 1:
-                finished = self.tree_step(call)
-                continue
-            index, gamma = self._choose_drafter(call, span - 1)
-            finished = self.speculative_step(call, index, gamma)
-        if setup.streamer is not None:
-            setup.streamer.end()
-        self.stats = call.stats.finish(call.watch.totals(), *call.alpha.tolist(), started)
-        self.stats.verify_costs = measured
-        rows = [call.done[row] for row in range(len(call.done))]  # in the caller's order
-        for part in self.drafters:
-            part.end(rows)
-        return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
-
-    def _choose_drafter(self, call: Call, limit: int) -> tuple[int | None, int]:
-        """Which drafter drafts this iteration (None: a plain step) and at most how many tokens: adaptive, by
-        the speedup equation among the drafters that have a proposal; fixed, the first that has one."""
-        if limit <= 0 or not self.num_draft_tokens:
-            return None, 0
-        with call.watch.section("draft"):
-            available = [part.available(call.state) for part in self.drafters]
-        if call.controllers:
-            return choose_drafter(call.controllers, available, limit, call.state.batch_size)
-        index = next((i for i, ready in enumerate(available) if ready), None)
-        return index, (min(self.draft_limits[index], limit) if index is not None else 0)
-
-    def speculative_step(self, call: Call, index: int | None, gamma: int) -> bool:
-        """One iteration: drafter `index` drafts gamma tokens, one full pass verifies them, the rule accepts,
-        the tokens are committed and the cache entries of what was rejected dropped. gamma = 0 (or index None)
-        is a plain decoding step. Returns True when all rows are done."""
-        state, setup, vocab_size = call.state, call.setup, self.adapter.vocab_size
-        drafter = self.drafters[index] if index is not None and gamma > 0 else None
-        if drafter is None:
-            draft = Draft.empty(state.batch_size, state.sequences.device)
-        else:
-            with call.watch.section("draft"):
-                draft = drafter.draft(state, gamma, call.process, setup.do_sample)
-                check_draft(drafter, draft, state.batch_size, gamma, vocab_size)
-        drafts = draft.tokens
-        gamma = drafts.shape[1]  # fewer when the draft stopped early (draft_confidence)
-        with call.watch.section("verify"):
-            if gamma == 0:
-                logits, hidden = target_pass(self.adapter, state, state.sequences[:, -1:], self.hidden_layers)
-            else:
-                logits, hidden = drafter.verify(self.adapter, state, draft, self.hidden_layers)
-            scores = call.process(drafts, logits)  # [batch, G+1, V]
-            if gamma == 0:
-                verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
-            elif setup.do_sample:
-                p, q = scores.softmax(dim=-1), draft.probabilities(vocab_size)
-                verdict = accept_sampling(p, q, drafts)
-                call.record_alpha(p[:, :gamma], q, verdict.num_accepted)
-            else:  # argmaxes only; softmaxes for the alpha tally when it is due
-                verdict = accept_greedy(scores, drafts)
-                if call.alpha_due():
-                    p = scores[:, :gamma].softmax(dim=-1)
-                    call.record_alpha(p, draft.probabilities(vocab_size), verdict.num_accepted)
-        kept = torch.arange(gamma + 1, device=drafts.device)[None, :].expand(state.batch_size, -1)
-        self._hand_over(Verified(verdict.num_accepted, verdict.num_accepted, kept, hidden, False), index)
-        call.drafted_by = index if gamma else None
-        return self._advance(call, drafts, verdict.num_accepted, scores, logits, kept, verdict.next_token)
-
-    def tree_step(self, call: Call) -> bool:
-        """One tree iteration: the drafter's candidate tree (Medusa's fixed shape, or a dynamic one), one verify
-        pass with a tree mask, the longest accepted path committed and the cache rearranged to it. Returns True
-        when done."""
-        state, setup, drafter = call.state, call.setup, self.drafter
-        with call.watch.section("draft"):
-            if not drafter.available(state):  # nothing to propose (a suffix tree without a match): a plain step
-                return self.speculative_step(call, None, 0)
-            tree, node_tokens, node_logits = drafter.draft_tree(state)  # [batch, N], [batch, N+1, V] or None
-        depth = tree.max_depth
-        with call.watch.section("verify"):
-            logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
-            scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
-            p = scores.softmax(dim=-1) if setup.do_sample else scores  # greedy reads argmaxes, as model.generate does
-            verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
-            # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
-            root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
-            path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)
-            path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
-            along = path[..., None].expand(-1, -1, scores.shape[-1])
-            path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
-            if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
-                if node_logits is None:  # candidates proposed deterministically: point masses
-                    q = Draft.point_mass(path_tokens).probabilities(scores.shape[-1])
-                else:
-                    drafts = node_logits.gather(1, along[:, :depth])
-                    q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
-                call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
-        self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
-        call.drafted_by = 0
-        return self._advance(
-            call,
-            path_tokens,
-            verdict.num_accepted,
-            path_scores,
-            path_logits,
-            path,
-            verdict.next_token,
-            num_new=tree.num_nodes + 1,
-            chain=False,
-        )
-
-    def _hand_over(self, verified: Verified, index: int | None) -> None:
-        """Every drafter learns the verdict (the one that drafted, with `own` set)."""
-        for position, part in enumerate(self.drafters):
-            part.accept(replace(verified, own=position == index))
-
-    # -------------------------------------------------------------------------------------- helpers
-    def _span_before_rope_switch(self, call: Call) -> int:
-        """How many positions from the pending tokens on one pass may cover without crossing a longrope
-        switch (plain decoding computes the positions before it with the short frequencies)."""
-        switch = self.adapter.rope_switch
-        if switch is None:
-            return call.remaining + 1
-        state = call.state
-        spans = [
-            switch - (state.length - 1 - pad) for pad in state.host_pad_offsets() if state.length - 1 - pad < switch
-        ]
-        return min(spans, default=call.remaining + 1)
-
-    def _check_batch(self, setup: GenerationSetup) -> None:
-        if setup.streamer is not None:
-            raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
-        if setup.config.output_scores or setup.config.output_logits:
-            raise UnsupportedGenerationArgument(
-                "`output_scores` / `output_logits` are supported for one prompt at a time."
-            )
-        if self.drafter.tree is not None:
-            raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
-
-    def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
-        """One full pass over the prompts. Returns the call state, the first generated token [batch, 1]
-        (drawn from that pass, not committed yet), its processed scores and its logits."""
-        mask = setup.attention_mask
-        padded = mask is not None and bool((mask == 0).any())
-        if self.compiled and (input_ids.shape[0] > 1 or padded):
-            raise UnsupportedGenerationArgument(
-                f"compile=True decodes one unpadded prompt at a time (got {input_ids.shape[0]} row(s)"
-                f"{', with padding' if input_ids.shape[0] == 1 else ''}): its static cache and graphs are built for "
-                "batch 1. Loop over the prompts without padding, or use compile=False for batches."
-            )
-        if padded:
-            mask = mask.to(input_ids.device)
-            if bool((mask[:, :-1] > mask[:, 1:]).any()):
-                raise ValueError("Only left padding is supported: the attention mask has a 0 after a 1.")
-            pad_offset = (mask == 0).long().sum(dim=1)
-        else:
-            pad_offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        batch = input_ids.shape[0]
-        state = DecodeState(
-            input_ids,
-            self.adapter.new_cache(input_ids.shape[1] + setup.max_new_tokens + self.num_draft_tokens + 1),
-            pad_offset,
-            mask if padded else None,
-            added_pad=[0] * batch,
-            prompt_pad=pad_offset.tolist(),
-            pad_token_id=setup.pad_token_id or 0,
-        )
-        call = Call(
-            setup,
-            state,
-            rows=list(range(batch)),
-            generated=[0] * batch,
-            watch=Stopwatch(self.adapter.device),
-            alpha=torch.zeros(2, device=input_ids.device, dtype=torch.float64),
-        )
-        if setup.streamer is not None:
-            setup.streamer.put(input_ids.cpu())
-        with call.watch.section("prefill"):
-            args = (
-                input_ids,
-                state.position_ids(0, input_ids.shape[1]),
-                state.cache,
-                state.attention_mask(input_ids.shape[1]),
-            )
-            logits, hidden = self.adapter.forward_capturing(*args, layers=self.hidden_layers, logits_to_keep=1)
-            scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
-            token = pick(scores[:, 0], setup.do_sample)[:, None]
-        for part in self.drafters:
-            part.begin(state, hidden)
-        call.stats.target_passes += 1
-        call.stats.row_passes += batch
-        return call, token, scores, logits
-
-    def _advance(
-        self, call: Call, drafts, num_accepted, scores, logits, kept, next_token=None, num_new=None, chain=True
-    ) -> bool:
-        """Commit each row's accepted drafts (drafts [batch, G]; num_accepted [batch]) and the token after
-        them, then bring the cache along: of the positions the pass wrote, `kept[b]` [batch, G+1] lists row
-        b's pending token and accepted drafts in order, among the `num_new` positions the pass wrote
-        (default G+1; None after the prefill, which wrote the prompt only; `chain`: they are the first
-        ones). Rows that finished leave the batch. Returns True when no row is left."""
-        if next_token is None:  # the prefill: the first token is all there is
-            committed = drafts
-        else:
-            committed = torch.cat([drafts, next_token[:, None]], dim=1)
-            committed.scatter_(1, num_accepted[:, None], next_token[:, None])  # [batch, G+1]
-        accepted, counts, finished = call.commit(committed, num_accepted, scores, logits)
-        if next_token is not None:
-            name = self.drafters[call.drafted_by].name if call.drafted_by is not None else None
-            call.stats.record_iteration(drafts.shape[1], accepted, name)
-            if call.controllers and call.drafted_by is not None:
-                call.controllers[call.drafted_by].update(drafts.shape[1], accepted)
-        if all(finished):
-            return True
-        state = call.state
-        if kept is not None:
-            num_new, width = num_new or kept.shape[1], max(counts)
-            if chain and all(count == width for count in counts):
-                self.adapter.crop(state.cache, num_new - width)  # rows agree and kept a prefix: a view, no copy
-            else:
-                shift = torch.tensor([width - count for count in counts], device=kept.device)
-                self.adapter.rearrange(
-                    state.cache, num_new, lambda old: DecodeState.shifted_index(old, width, shift, kept)
-                )
-        if any(finished):
-            active = [b for b, done in enumerate(finished) if not done]
-            rows = torch.tensor(active, device=state.sequences.device)
-            state.select_rows(rows)
-            for part in self.drafters:  # each drafter drops the finished rows' state
-                part.select_rows(rows)
-            call.rows = [call.rows[b] for b in active]
-            call.generated = [call.generated[b] for b in active]
-        return False

@@ -8,7 +8,7 @@ from test_medusa import FutureOracle, medusa_heads
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import SelfSpeculative
-from selfspec.adaptive import DraftController, predicted_speedup
+from selfspec.engine.adaptive import DraftController, predicted_speedup
 
 
 def test_predicted_speedup_is_the_design_equation():
@@ -97,7 +97,7 @@ def test_unsure_drafts_stop_early_and_output_stays_exact(arch):
 
 
 def test_gamma_shrinks_to_zero_as_the_batch_grows_when_positions_cost():
-    from selfspec.adaptive import position_cost_from
+    from selfspec.engine.adaptive import position_cost_from
 
     r = position_cost_from(1.2, 1)  # v(1) = 1.2 at one row, as measured on a CPU
     assert r == pytest.approx(0.25)

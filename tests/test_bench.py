@@ -14,8 +14,10 @@ from transformers import PreTrainedTokenizerFast
 
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.bench import Contender, load_prompts, markdown_table, run_bench, standard_contenders
-from selfspec.cli import main
+from selfspec.cli.main import main
+from selfspec.measure.bench import markdown_table, run_bench
+from selfspec.measure.contenders import Contender, standard_contenders
+from selfspec.measure.prompts import load_prompts
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
 
 def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path):
     from selfspec import load_heads
-    from selfspec.tune import apply_choice, prefix_acceptance, tune, tuned_card
+    from selfspec.measure.tune import apply_choice, prefix_acceptance, tune, tuned_card
 
     adapter = ModelAdapter(model)
     heads = ExitHeads(adapter.fingerprint(), [1, 3])
@@ -193,7 +195,7 @@ def test_tune_predicts_from_measurements_and_writes_the_defaults(model, tmp_path
 
 
 def test_batch_throughput_rows_match_the_padded_batch(model):
-    from selfspec.bench import batch_table, batch_throughput, left_pad
+    from selfspec.measure.bench import batch_table, batch_throughput, left_pad
 
     prompts = [random_prompt(3, seed=1), random_prompt(8, seed=2), random_prompt(5, seed=3)]
     ids, mask = left_pad(prompts, pad_id=0)
@@ -210,7 +212,7 @@ def test_batch_throughput_rows_match_the_padded_batch(model):
 def test_compiled_contenders_run_exactly_and_are_compared_with_the_compiled_generate(model):
     """--compile: transformers' static-cache compiled generate and selfspec's compiled chains, in one run; the
     compiled plain loop is the unit of the compiled contenders' c and v."""
-    from selfspec.bench import compiled_contenders
+    from selfspec.measure.contenders import compiled_contenders
 
     contenders = standard_contenders(model, sampling=False, transformers_modes=False)[:2]  # generate, plain loop
     contenders += compiled_contenders(model)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from selfspec import cli
-from selfspec.cli import build_parser, bundled_heldout, main
-from selfspec.config import TrainHeadsConfig, load_config
-from selfspec.options import BUNDLED, BUNDLED_CONFIG
+from selfspec.cli import main as cli
+from selfspec.cli.main import build_parser, bundled_heldout, main
+from selfspec.cli.options import BUNDLED, BUNDLED_CONFIG
+from selfspec.training.config import TrainHeadsConfig, load_config
 
 
 def help_text(command: str, capsys) -> str:

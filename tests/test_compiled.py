@@ -14,7 +14,7 @@ from tiny_models import random_prompt, tiny_model
 from selfspec import Drafter, SelfSpeculative
 from selfspec.adapter import UnsupportedModelError, static
 from selfspec.adapter.static import ROOM
-from selfspec.generation import UnsupportedGenerationArgument
+from selfspec.engine.generation import UnsupportedGenerationArgument
 
 
 def repetitive_prompt(prompts: torch.Tensor, rows=(0, 1)) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""selfspec/config.py: YAML <-> dataclass configs with dotted overrides, and the shipped configs."""
+"""selfspec/training/config.py: YAML <-> dataclass configs with dotted overrides, and the shipped configs."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from selfspec.config import (
+from selfspec.heads import default_exit_layers
+from selfspec.training.config import (
     TrainHeadsConfig,
     config_differences,
-    default_exit_layers,
     load_config,
     parse_overrides,
     save_config,

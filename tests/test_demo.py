@@ -15,13 +15,15 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec import bench, demo, hardware, options
-from selfspec.bench import Contender
-from selfspec.cli import build_parser, main
-from selfspec.demo import demo_dtype, greedy_check
+from selfspec import hardware
+from selfspec.cli import demo, options
+from selfspec.cli.demo import demo_dtype, greedy_check
+from selfspec.cli.main import build_parser, main
 from selfspec.heads import EagleHeads
+from selfspec.measure import bench
+from selfspec.measure.contenders import Contender
+from selfspec.measure.ties import TIE
 from selfspec.targets import DEMO_TARGET, KNOWN_TARGETS
-from selfspec.ties import TIE
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

@@ -1,4 +1,5 @@
-"""The distillation and speedup math of selfspec/distill.py on hand-made tensors and tiny models."""
+"""The distillation and speedup math (selfspec/training/distill.py, selfspec/engine/adaptive.py, the timing of
+selfspec/measure/costs.py) on hand-made tensors and tiny models."""
 
 from __future__ import annotations
 
@@ -11,22 +12,20 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, tiny_model
 
 from selfspec.adapter import ModelAdapter
-from selfspec.distill import (
-    Costs,
+from selfspec.engine.adaptive import best_gamma, expected_tokens, predicted_speedup
+from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.heads.base import Costs
+from selfspec.measure.costs import measure_costs
+from selfspec.training.distill import (
     DistillationObjective,
     acceptance_rate,
-    best_gamma,
-    expected_tokens,
     kl_divergence,
-    measure_costs,
-    predicted_speedup,
     score_sums,
     soft_cross_entropy,
     state_digest,
     target_pass,
     top1_agreement,
 )
-from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
 
 
 def logits_of(*distributions: list[float]) -> torch.Tensor:

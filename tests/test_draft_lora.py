@@ -10,8 +10,8 @@ from tiny_models import random_prompt, tiny_model
 
 from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
-from selfspec.distill import state_digest
-from selfspec.lora import DraftLoRA, peft_lora_config
+from selfspec.heads.lora import DraftLoRA, peft_lora_config
+from selfspec.training.distill import state_digest
 
 
 def with_lora(heads, model, r=4, seed=0, scale=0.5):
@@ -39,7 +39,7 @@ def test_peft_builds_the_factors_and_leaves_the_target_alone():
     assert state_digest(model) == before and [p.requires_grad for p in model.parameters()] == flags
     assert lora.lora_A.weight.abs().sum() > 0  # peft's Kaiming init of A
     # the same factors inside peft's own LoRA layer give what the drafts compute
-    from selfspec.lora import _LMHeadHolder
+    from selfspec.heads.lora import _LMHeadHolder
 
     peft_layer = get_peft_model(_LMHeadHolder(lm_head), peft_lora_config(4, 8)).base_model.model.lm_head
     name = next(iter(peft_layer.lora_A))
@@ -123,7 +123,7 @@ def test_draft_lora_errors():
         type(medusa)(medusa.fingerprint, 2, own_lm_head=True, draft_lora={"r": 2, "lora_alpha": 4})
     with pytest.raises(ValueError, match="rank r must be at least 1"):
         ExitHeads(ModelAdapter(model).fingerprint(), [1], draft_lora={"r": 0, "lora_alpha": 4})
-    from selfspec.config import DraftLoraConfig
+    from selfspec.training.config import DraftLoraConfig
 
     with pytest.raises(ValueError, match="only, not 'model.layers.1.mlp'"):
         DraftLoraConfig(r=4, target="model.layers.1.mlp")

@@ -103,9 +103,9 @@ def test_int8_draft_head_errors():
 
 def test_profile_reports_the_alpha_and_c_of_a_draft_head():
     from selfspec.adapter import ModelAdapter
-    from selfspec.config import EvalConfig
     from selfspec.heads import ExitHeads
-    from selfspec.profile import format_table, profile_heads
+    from selfspec.measure.profile import format_table, profile_heads
+    from selfspec.training.config import EvalConfig
 
     model = tiny_model("llama")
     adapter = ModelAdapter(model)

@@ -14,7 +14,7 @@ from tiny_models import padded_prompts, random_prompt, tiny_model
 
 from selfspec import Draft, Drafter, DrafterContractError, ExitHeads, NGramDrafter, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.ngram import find_continuations
+from selfspec.drafters.ngram import find_continuations
 
 
 class ShiftDrafter(Drafter):
@@ -99,7 +99,7 @@ def test_ngram_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F
 def test_sampling_test_tells_a_broken_rule(sampling_model, monkeypatch):  # noqa: F811
     """The batched chi-square above can fail: resampling from p after a rejection (not from the residual)
     distorts the law, and the test sees it."""
-    from selfspec import verify
+    from selfspec.engine import verify
 
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     spec = SelfSpeculative(sampling_model, drafter=ShiftDrafter(4, seed=1), num_draft_tokens=2)

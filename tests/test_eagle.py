@@ -1,4 +1,4 @@
-"""EAGLE heads (selfspec/heads/eagle.py, selfspec/eagle.py): training computes what drafting computes, and
+"""EAGLE heads (selfspec/heads/eagle.py, selfspec/drafters/eagle.py): training computes what drafting computes, and
 drafting with them is exact on every family (greedy token-identical to `model.generate`, batch rows alone,
 sampling distributed as the target's law), alone and in a hybrid with n-gram lookup."""
 
@@ -14,10 +14,10 @@ from transformers import DynamicCache
 
 from selfspec import SelfSpeculative
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
-from selfspec.config import HeadsConfig
-from selfspec.distill import DistillationObjective, target_pass
-from selfspec.eagle import append_right_aligned
+from selfspec.drafters.eagle import append_right_aligned
 from selfspec.heads import EagleHeads, HeadsMismatchError, load_heads
+from selfspec.training.config import HeadsConfig
+from selfspec.training.distill import DistillationObjective, target_pass
 
 
 def eagle_heads(model, seed: int = 0, **settings) -> EagleHeads:
@@ -208,7 +208,7 @@ def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
 
 
 def test_draft_lora_changes_the_drafts_not_the_output(trained, tmp_path):
-    """A draft-only LoRA on the shared LM head (selfspec.lora) works with an EAGLE head: drafts move, output does
+    """A draft-only LoRA on the shared LM head (selfspec.heads.lora) works with an EAGLE head: drafts move, output does
     not, and it is saved and loaded with the head."""
     model, heads, prompts = trained
     adapted = EagleHeads(

@@ -14,11 +14,11 @@ from transformers import DynamicCache
 
 from selfspec import SelfSpeculative, frequent_tokens
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
-from selfspec.cli import main
-from selfspec.config import HeadsConfig
+from selfspec.cli.main import main
 from selfspec.export import export_eagle, load_export
 from selfspec.heads import EagleHeads, HeadsMismatchError
-from selfspec.lora import DraftLoRA
+from selfspec.heads.lora import DraftLoRA
+from selfspec.training.config import HeadsConfig
 
 H, V, LAYERS = 32, 96, 8  # tiny_model's hidden size and vocabulary; EAGLE's default layers at 8: [1, 3, 4]
 HEADS, KV_HEADS, HEAD_DIM, MLP = 4, 2, 8, 64
@@ -232,7 +232,7 @@ def test_weights_are_in_the_targets_dtype(tmp_path):
 
 
 def test_export_command_overwrites_atomically(model, tmp_path, monkeypatch):
-    import selfspec.cli as cli
+    import selfspec.cli.main as cli
     import selfspec.heads
 
     heads = eagle_head(model)  # an eagle3 head's folder does not save yet (its joined norms are shared tensors)

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from selfspec import SUPPORTED_ARCHITECTURES, SelfSpeculative, UnsupportedModelError
 from selfspec.adapter import ModelAdapter
-from selfspec.cli import main
+from selfspec.cli.main import main
 from selfspec.families import SUPPORT_RULE
 
 NEW_TOKENS = 30  # well past the sliding window

@@ -15,10 +15,10 @@ from transformers.generation.logits_process import (
 )
 
 from selfspec import SelfSpeculative
-from selfspec.adaptive import DraftController, check_position_cost, position_cost_at, position_cost_from
-from selfspec.call import GREEDY_ALPHA_EVERY
-from selfspec.generation import process_scores, row_wise
-from selfspec.tune import fit_position_costs, time_batched_passes
+from selfspec.engine.adaptive import DraftController, check_position_cost, position_cost_at, position_cost_from
+from selfspec.engine.call import GREEDY_ALPHA_EVERY
+from selfspec.engine.generation import process_scores, row_wise
+from selfspec.measure.tune import fit_position_costs, time_batched_passes
 
 
 def per_position(processors, prefix, tokens, logits):

@@ -187,6 +187,6 @@ def test_an_empty_tree_forces_a_chain_over_the_heads_default_tree():
     assert torch.equal(chain.generate(prompt, max_new_tokens=20, do_sample=False), expected)
     assert chain.stats.proposed > 0  # drafted as a chain
     with pytest.raises(ValueError, match="at least one path"):
-        from selfspec.tree import CandidateTree
+        from selfspec.engine.tree import CandidateTree
 
         CandidateTree.from_paths([])

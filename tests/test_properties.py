@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-from selfspec.generation import process_scores
-from selfspec.tree import CandidateTree
-from selfspec.verify import accept_greedy, accept_sampling, accept_tree, residual_distribution
+from selfspec.engine.generation import process_scores
+from selfspec.engine.tree import CandidateTree
+from selfspec.engine.verify import accept_greedy, accept_sampling, accept_tree, residual_distribution
 
 ATOL = 1e-5  # float32 arithmetic on probabilities; the rule itself is exact
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -70,14 +70,14 @@ def test_readme_install_commands_use_the_extras_that_pyproject_declares():
 
 def test_importing_the_library_loads_no_training_demo_or_test_package():
     heavy = ["datasets", "hypothesis", "matplotlib", "pandas", "peft", "pyarrow", "pytest", "scipy", "wandb"]
-    code = f"import sys, selfspec.cli; print([name for name in {heavy!r} if name in sys.modules])"
+    code = f"import sys, selfspec.cli.main; print([name for name in {heavy!r} if name in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 
 def test_readme_shows_what_the_demo_prints():
     """The expected output (SmolLM2 in bfloat16, its 8192-token draft vocabulary) keeps up with the code."""
-    from selfspec.demo import demo_legend, greedy_check
+    from selfspec.cli.demo import demo_legend, greedy_check
 
     rule = greedy_check([], torch.bfloat16)[0][:-1]  # the tie rule's lines, without a verdict
     assert demo_legend(8192, ties=True) in README and "\n".join(rule) in README

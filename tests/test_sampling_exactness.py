@@ -17,7 +17,8 @@ from scipy.stats import chisquare
 from test_medusa import medusa_heads
 from tiny_models import tiny_model
 
-from selfspec import SelfSpeculative, verify
+from selfspec import SelfSpeculative
+from selfspec.engine import verify
 
 VOCAB = 4
 NEW_TOKENS = 3

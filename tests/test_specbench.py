@@ -13,16 +13,11 @@ from transformers import PreTrainedTokenizerFast
 
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
-from selfspec.bench import Contender, added_memory
-from selfspec.cli import main
-from selfspec.options import encode
-from selfspec.specbench import (
-    ChatPrompt,
-    category_report,
-    first_per_category,
-    read_prompts,
-    summarize_by_category,
-)
+from selfspec.cli.main import main
+from selfspec.cli.options import encode
+from selfspec.measure.bench import added_memory, category_report, summarize_by_category
+from selfspec.measure.contenders import Contender
+from selfspec.measure.prompts import ChatPrompt, first_per_category, read_prompts
 
 QUESTIONS = [  # Spec-Bench rows; words are the tiny tokenizer's tokens
     {"question_id": 1, "category": "writing", "turns": ["t5 t6", "t7 t8"]},

@@ -12,7 +12,7 @@ from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 
 from tiny_models import padded_prompts, random_prompt, tiny_model
 
 from selfspec import SelfSpeculative, SuffixDrafter
-from selfspec.suffix import SuffixIndex, best_continuation, continuation_tree
+from selfspec.drafters.suffix import SuffixIndex, best_continuation, continuation_tree
 
 
 def test_the_index_finds_the_longest_match_and_its_occurrences():
@@ -163,3 +163,25 @@ def test_suffix_settings_are_checked():
         SuffixDrafter(max_cached_tokens=-1)
     with pytest.raises(ValueError, match="drafter='suffix' drafts without the model"):
         SelfSpeculative(tiny_model("llama"), drafter="suffix", exit_layer=2)
+
+
+def test_bench_keeps_a_prompts_own_earlier_answers_out_of_the_memory():
+    from selfspec.measure.bench import OwnAnswers, run_bench
+    from selfspec.measure.contenders import generate_contender, selfspec_contender
+
+    model = tiny_model("llama")
+    prompts = [random_prompt(8, seed=1), random_prompt(8, seed=2)]
+    suffix = selfspec_contender(model, "selfspec suffix", False, 1.0, drafter="suffix")
+    memory = suffix.spec.drafter.cache
+    answers = OwnAnswers([suffix])
+    with answers.kept(suffix, 0):
+        suffix.run(prompts[0], 10)
+    with answers.kept(suffix, 1):
+        suffix.run(prompts[1], 10)
+    assert len(memory) == 2
+    answers.forget(suffix, 0)  # before prompt 0 runs again: its own answer goes, prompt 1's stays
+    assert [list(s) for s in memory.sequences.values()] == [suffix.run(prompts[1], 10)[0, 8:].tolist()][:1]
+    fresh = selfspec_contender(model, "selfspec suffix", False, 1.0, drafter="suffix")
+    rows = run_bench([generate_contender(model, "generate", False, 1.0), fresh], prompts, 10, repeats=2)
+    # the warm-up's answer and the first repeat's went before each prompt ran again: the last answer to each is left
+    assert rows[1]["matched"] is True and len(fresh.spec.drafter.cache) == 2

@@ -12,9 +12,9 @@ import torch
 
 from selfspec import targets
 from selfspec.adapter import ModelAdapter
-from selfspec.cli import build_parser, main
+from selfspec.cli.main import build_parser, main
+from selfspec.cli.options import load_target
 from selfspec.heads import EagleHeads, ExitHeads, MedusaHeads
-from selfspec.options import load_target
 from selfspec.targets import (
     KNOWN_TARGETS,
     TargetError,
@@ -82,7 +82,7 @@ def test_model_demo_is_the_default_target_with_its_heads():
 
 def test_a_target_folder_may_hold_chat_prompts(tmp_path):
     """prompts.jsonl (chat questions, rendered with the chat template) is preferred over prompts.json."""
-    from selfspec.options import default_prompts
+    from selfspec.cli.options import default_prompts
 
     assert default_prompts(tmp_path) == tmp_path / "prompts.json"
     (tmp_path / "prompts.jsonl").write_text('{"category": "writing", "turns": ["Hello"]}\n')

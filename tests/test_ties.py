@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tiny_models import random_prompt, tiny_model
 
-from selfspec.ties import TIE, compare_greedy, first_divergence, rounding_step
+from selfspec.measure.ties import TIE, compare_greedy, first_divergence, rounding_step
 
 
 def test_first_divergence_and_rounding_step():
@@ -46,7 +46,7 @@ def test_a_divergence_at_a_tie_is_a_tie_and_any_other_is_not():
 
 
 def test_gap_shifts_measure_each_new_position():
-    from selfspec.ties import gap_shifts
+    from selfspec.measure.ties import gap_shifts
 
     model = tiny_model("llama").to(torch.bfloat16)
     shifts = gap_shifts(model, random_prompt(7), max_new_tokens=6)

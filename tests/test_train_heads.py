@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 
 from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
-from selfspec.config import DataConfig
-from selfspec.data import load_rows
+from selfspec.training.config import DataConfig
+from selfspec.training.data import load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(20)]
@@ -321,7 +321,7 @@ def test_two_processes_train_what_one_process_trains(world, baseline):
 
 
 def test_profile_command_prints_untrained_and_trained_alpha(world, baseline, capsys):
-    from selfspec.cli import main
+    from selfspec.cli.main import main
 
     os.environ.setdefault("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     output = world["root"] / "profile"
@@ -404,11 +404,11 @@ def test_heldout_split_by_file_and_by_seeded_fraction(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["exit", "medusa", "eagle"])
 def test_trained_heads_raise_alpha_over_untrained_at_every_depth(world, kind, monkeypatch):
-    from selfspec.config import EvalConfig, HeadsConfig
-    from selfspec.data import row_tensor
-    from selfspec.distill import DistillationObjective, target_pass
     from selfspec.heads import EagleHeads, MedusaHeads
-    from selfspec.profile import format_table, profile_heads
+    from selfspec.measure.profile import format_table, profile_heads
+    from selfspec.training.config import EvalConfig, HeadsConfig
+    from selfspec.training.data import row_tensor
+    from selfspec.training.distill import DistillationObjective, target_pass
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval().requires_grad_(False)
@@ -489,7 +489,7 @@ def test_peft_target_trains_in_process_and_stays_frozen(world, tmp_path, monkeyp
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(world, monkeypatch):
-    from selfspec.distill import DistillationObjective
+    from selfspec.training.distill import DistillationObjective
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     calls = {"n": 0}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec import verify
-from selfspec.verify import accept_greedy, accept_sampling, acceptance_mass, residual_distribution
+from selfspec.engine import verify
+from selfspec.engine.verify import accept_greedy, accept_sampling, acceptance_mass, residual_distribution
 
 
 def dist(*values: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The repeated workload (`selfspec.workload`): built offline from the standard library's own functions, split into
-warm-up and timed prompts, with two-turn revisions of the target's own answers; `selfspec bench --workload
-repeated` runs it with warm-up calls and reports it per kind."""
+"""The repeated workload (`selfspec.measure.workload`): built offline from the standard library's own functions,
+split into warm-up and timed prompts, with two-turn revisions of the target's own answers; `selfspec bench
+--workload repeated` runs it with warm-up calls and reports it per kind."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 from test_specbench import tiny_tokenizer
 from tiny_models import tiny_model
 
-from selfspec.cli import main
-from selfspec.workload import FUNCTIONS, TASKS, function_sources, revision_prompts, same_task_prompts
+from selfspec.cli.main import main
+from selfspec.measure.workload import FUNCTIONS, TASKS, function_sources, revision_prompts, same_task_prompts
 
 
 def test_the_workload_is_built_from_standard_library_functions():
@@ -37,4 +37,10 @@ def test_bench_runs_the_repeated_workload_after_its_warm_up(tmp_path, capsys):
     rows = json.loads((tmp_path / "out" / "bench_repeated.json").read_text())
     assert rows["meta"]["warmup"] == len(TASKS)
     contenders = {row["contender"] for row in rows["results"]}
-    assert contenders == {"generate", "transformers prompt lookup", "selfspec ngram", "selfspec suffix"}
+    assert contenders == {
+        "generate",
+        "transformers prompt lookup",
+        "selfspec plain loop",
+        "selfspec ngram",
+        "selfspec suffix",
+    }

@@ -28,8 +28,8 @@ from typing import TypeVar
 import torch
 from accelerate import Accelerator
 
-from selfspec.config import config_differences, load_config, save_config
 from selfspec.hardware import native_bf16
+from selfspec.training.config import config_differences, load_config, save_config
 
 ConfigT = TypeVar("ConfigT")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.drafters import frequent_tokens
+from selfspec.adapter import frequent_tokens
 from selfspec.targets import load_model
 
 COUNT = 8192  # draft vocabulary size (plus EOS)

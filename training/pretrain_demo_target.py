@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from selfspec import frequent_tokens
-from selfspec.config import save_config
+from selfspec.training.config import save_config
 
 from common import (
     Progress,

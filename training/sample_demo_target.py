@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from selfspec.config import load_config
+from selfspec.training.config import load_config
 
 from pretrain_demo_target import Config, ModelConfig, TrainConfig, build_model
 from stdlib_corpus import END_OF_TEXT, DataConfig, read_sources, split_files, stdlib_root

@@ -4,7 +4,7 @@
         --config configs/train_heads_demo.yaml [--resume] [--overwrite] [--report_to none] [--train.lr 3e-4 ...]
 
 One forward of the frozen target per batch gives every hidden state and the target's logits; each draft
-(exit depth or Medusa head) learns KL(p || q) against the target's own distribution (selfspec/distill.py).
+(exit depth or Medusa head) learns KL(p || q) against the target's own distribution (selfspec/training/distill.py).
 The rows of a step are a pure function of (seed, step, micro-step) and each process takes its slice of
 them, so a resumed run continues exactly and N processes train what one process trains with the same
 total batch. Checkpoints (`accelerator.save_state`) are written to a temporary folder and renamed. The
@@ -31,12 +31,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
-from selfspec.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.data import load_rows, row_tensor
-from selfspec.distill import DistillationObjective, state_digest, target_pass
 from selfspec.heads import KINDS, DraftHeads, load_heads
-from selfspec.lora import DraftLoRA, peft_lora_config
-from selfspec.profile import (
+from selfspec.heads.lora import DraftLoRA, peft_lora_config
+from selfspec.measure.profile import (
     configure_wandb,
     evaluate,
     format_table,
@@ -48,6 +45,9 @@ from selfspec.profile import (
     wandb_objects,
 )
 from selfspec.targets import load_model
+from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
+from selfspec.training.data import load_rows, row_tensor
+from selfspec.training.distill import DistillationObjective, state_digest, target_pass
 
 from common import (
     Progress,
@@ -129,7 +129,7 @@ def step_rows(num_rows: int, config: TrainHeadsConfig, step: int, micro: int, pr
 
 def parse_args(argv: list[str] | None = None):
     """(flags, config) of this script; see `common.parse_config`."""
-    parser = argument_parser(__doc__, "YAML config (keys as in selfspec/config.py TrainHeadsConfig)")
+    parser = argument_parser(__doc__, "YAML config (keys as in selfspec/training/config.py TrainHeadsConfig)")
     parser.add_argument("--overwrite", action="store_true", help="replace heads_dir if it already holds heads")
     parser.add_argument("--report_to", help="shorthand for --logging.report_to (wandb | none)")
     return parse_config(parser, TrainHeadsConfig, argv, shorthands={"report_to": "logging.report_to"})

@@ -1,24 +1,19 @@
 """Every use of transformers' model internals lives in this package.
 
 The rest of selfspec sees a `ModelAdapter` (`core`): it runs the whole model, its first k decoder layers or the
-layers above them, the model's own final norm and LM head, and crops or rearranges the cache. `OneLayerModel`
-(`one_layer`) is one decoder layer of the target's own class, the body of an EAGLE head. `CompiledAdapter`
-(`static`) runs the full passes compiled over a pre-allocated static cache.
+layers above them, the model's own final norm and LM head, and crops or rearranges the cache. `DraftVocabulary`
+(`vocab`) is the LM head as drafts read it. `OneLayerModel` (`one_layer`) is one decoder layer of the target's own
+class, the body of an EAGLE head. `CompiledAdapter` (`static`) runs the full passes compiled over a pre-allocated
+static cache.
 """
 
 from ..families import SUPPORTED_ARCHITECTURES
-from .core import (
-    DraftVocabulary,
-    ModelAdapter,
-    ModelFingerprint,
-    UnsupportedModelError,
-    additive_mask,
-    read_token_ids,
-    unwrap_model,
-)
+from .core import FINAL, ModelAdapter, ModelFingerprint, UnsupportedModelError, additive_mask, unwrap_model
 from .one_layer import LAYOUTS, OneLayerModel
+from .vocab import DraftVocabulary, draft_head_size, frequent_tokens, read_token_ids
 
 __all__ = [
+    "FINAL",
     "LAYOUTS",
     "SUPPORTED_ARCHITECTURES",
     "DraftVocabulary",
@@ -27,6 +22,8 @@ __all__ = [
     "OneLayerModel",
     "UnsupportedModelError",
     "additive_mask",
+    "draft_head_size",
+    "frequent_tokens",
     "read_token_ids",
     "unwrap_model",
 ]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -18,6 +16,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..families import MIXED_MASK_MODELS, SUPPORTED_ARCHITECTURES, unsupported_message
+from .vocab import DraftVocabulary
+
+FINAL = "final"  # among captured hidden states: the last one after the final norm (the LM head's input)
 
 
 class UnsupportedModelError(ValueError):
@@ -44,60 +45,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             )
         return get_base_model()
     return model
-
-
-@dataclass
-class DraftVocabulary:
-    """The LM head as drafts read it: a subset of its rows and/or an int8 copy of them.
-
-    A subset (`ids`): their rows, copied once (N x hidden extra memory), so a draft token's LM-head product
-    reads N rows instead of the whole vocabulary. Tokens outside get -inf, which the accept-reject rule
-    handles exactly (q is zero there; the residual covers them). int8 (`scales` set): the rows quantised
-    per row (symmetric, scale = max |w| / 127) and multiplied by torch's int8 weight-only kernel in
-    bfloat16, a quarter of float32's bytes. Either way only q changes; the verify pass uses the model's
-    own LM head."""
-
-    ids: torch.Tensor  # [N] sorted token ids (all V of them for an int8 copy of the whole head)
-    weight: torch.Tensor  # [N, H], int8 when `scales` is set
-    bias: torch.Tensor | None  # [N]
-    vocab_size: int
-    scales: torch.Tensor | None = None  # [N] bfloat16 row scales of an int8 `weight`
-
-    def project(self, normed: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., N] logits of these rows, in the dtype of `normed`."""
-        if self.scales is None:
-            return nn.functional.linear(normed, self.weight, self.bias)
-        flat = normed.reshape(-1, normed.shape[-1]).to(self.scales.dtype)
-        logits = torch._weight_int8pack_mm(flat, self.weight, self.scales)
-        logits = logits.reshape(*normed.shape[:-1], -1).to(normed.dtype)
-        return logits + self.bias if self.bias is not None else logits
-
-    @property
-    def rows(self) -> torch.Tensor | None:
-        """The token ids, or None when they are the whole vocabulary (an int8 copy of the whole head)."""
-        return None if self.ids.numel() == self.vocab_size else self.ids
-
-    def spread(self, partial: torch.Tensor) -> torch.Tensor:
-        """[..., N] logits of the subset -> [..., V] with -inf elsewhere."""
-        if self.rows is None:
-            return partial
-        full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.ids, partial)
-
-
-def read_token_ids(path: str | os.PathLike) -> list[int]:
-    """The token ids in a JSON file holding one list of integers (a draft vocabulary such as
-    `heads/demo-target/draft_vocab.json`)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            ids = json.load(file)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"draft_vocab: no file at {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"draft_vocab: {path} is not JSON: {error}") from error
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"draft_vocab: {path} must hold one JSON list of integer token ids")
-    return ids
 
 
 @dataclass(frozen=True)
@@ -299,13 +246,13 @@ class ModelAdapter:
     def forward_with_hidden(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0):
         """All layers: (logits, last hidden state after the final norm `[batch, positions, H]`)."""
         logits, hidden = self.forward_capturing(
-            input_ids, position_ids, cache, attention_mask, ("final",), logits_to_keep
+            input_ids, position_ids, cache, attention_mask, (FINAL,), logits_to_keep
         )
-        return logits, hidden["final"]
+        return logits, hidden[FINAL]
 
     def forward_capturing(self, input_ids, position_ids, cache, attention_mask=None, layers=(), logits_to_keep=0):
         """All layers: (logits, {layer: hidden [batch, positions, H]}) for decoder layer indices (that
-        layer's output) and "final" (after the final norm) in `layers`."""
+        layer's output) and `FINAL` (after the final norm) in `layers`."""
         with self._capture(layers) as captured:
             logits = self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
         return logits, captured
@@ -324,7 +271,7 @@ class ModelAdapter:
         handles = []
         try:
             for name in layers:
-                module = self.final_norm if name == "final" else self.layers[name]
+                module = self.final_norm if name == FINAL else self.layers[name]
                 handles.append(module.register_forward_hook(keep(name)))
             yield captured
         finally:
@@ -350,8 +297,8 @@ class ModelAdapter:
 
     def run_upper(self, hidden, input_ids, position_ids, cache, exit_layer: int, attention_mask=None, layers=()):
         """Layers exit_layer..L-1 on `hidden` (the states after layer `exit_layer`): (logits for every position,
-        {layer: hidden} for `layers` as in `forward_capturing`; only layers from exit_layer on, or "final")."""
-        lower = [name for name in layers if name != "final" and name < exit_layer]
+        {layer: hidden} for `layers` as in `forward_capturing`; only layers from exit_layer on, or `FINAL`)."""
+        lower = [name for name in layers if name != FINAL and name < exit_layer]
         if lower:
             raise ValueError(f"layers {lower} ran in the draft, before exit layer {exit_layer}: not captured here")
         view = self._cache_view(cache, range(exit_layer, self.num_layers))
@@ -412,7 +359,7 @@ class ModelAdapter:
     ) -> torch.Tensor:
         """The LM head (the model's own unless another is given), the model's logit scaling and soft-capping; with a
         draft `vocab`, only that vocabulary's rows of the model's LM head, every other token at -inf; with a draft
-        `lora` (`selfspec.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
+        `lora` (`selfspec.heads.lora.DraftLoRA`, drafts only), its low-rank update added before the capping."""
         if lora is not None and lm_head is not None:
             raise ValueError("A draft LoRA adapts the model's own LM head, not a head's own.")
         if vocab is not None and lm_head is None:
@@ -436,34 +383,4 @@ class ModelAdapter:
     def draft_vocabulary(self, token_ids=None, quant: str | None = None) -> DraftVocabulary:
         """The LM head as drafts read it (see `DraftVocabulary`): these token ids' rows (None: all), in the
         model's dtype or, with quant="int8", quantised per row. `token_ids` may be a JSON file's path."""
-        if isinstance(token_ids, str | os.PathLike):
-            token_ids = read_token_ids(token_ids)
-        if quant not in (None, "int8"):
-            raise ValueError(f"draft_quant must be None or 'int8', got {quant!r}")
-        if token_ids is None:
-            ids = torch.arange(self.vocab_size)
-        else:
-            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted, no repeats
-            if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
-                raise ValueError(
-                    f"draft_vocab must list token ids from 0 to {self.vocab_size - 1} (got {ids.numel()} ids)"
-                )
-        ids = ids.to(self.device)
-        bias = getattr(self.lm_head, "bias", None)
-        with torch.no_grad():
-            weight = self.lm_head.weight.index_select(0, ids)
-            bias = bias.index_select(0, ids) if bias is not None else None
-        if quant is None:
-            return DraftVocabulary(ids, weight, bias, self.vocab_size)
-        with torch.no_grad():
-            scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
-            weight = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        vocab = DraftVocabulary(ids, weight, bias, self.vocab_size, scales.to(torch.bfloat16))
-        try:  # the kernel's support depends on the device and the shapes: fail here, not mid-generation
-            vocab.project(torch.zeros(1, self.hidden_size, device=self.device, dtype=self.dtype))
-        except (RuntimeError, NotImplementedError) as error:
-            raise ValueError(
-                f"draft_quant='int8' needs torch's int8 weight-only kernel (torch._weight_int8pack_mm) for a "
-                f"{tuple(weight.shape)} head on {self.device}; it failed: {error}"
-            ) from error
-        return vocab
+        return DraftVocabulary.from_lm_head(self.lm_head, self.hidden_size, token_ids, quant)

@@ -29,8 +29,7 @@ import weakref
 import torch
 from transformers import CompileConfig, StaticCache
 
-from ..drafter import FINAL
-from .core import ModelAdapter, UnsupportedModelError
+from .core import FINAL, ModelAdapter, UnsupportedModelError
 
 ROOM = 256  # static caches are sized in multiples of this, so that nearby lengths share one cache and one graph
 

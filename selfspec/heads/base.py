@@ -1,5 +1,7 @@
 """What every kind of draft heads shares: `DraftHeads` (the target's fingerprint, a tuned gamma, an optional
-draft-only LoRA, the folder writer, and the methods each kind implements) and the folder's file names."""
+draft-only LoRA, the folder writer, and the methods each kind implements for training, `selfspec profile` and
+`selfspec tune`), what those methods exchange (a distillation `Draft`, measured `Costs`, a `DraftSetting`) and the
+folder's file names."""
 
 from __future__ import annotations
 
@@ -8,20 +10,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft
-from ..lora import DraftLoRA
-
-if TYPE_CHECKING:
-    from ..config import HeadsConfig
+from .lora import DraftLoRA
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -47,11 +44,44 @@ class DraftSetting:
     tree_depth: int = 0  # the deepest candidate tree it drafts (0: chains only)
 
 
+@dataclass
+class Draft:
+    """One draft of a heads set on one batch, for training: what its head reads and the target logits it must
+    match (not the decoding loop's `selfspec.Draft`)."""
+
+    name: str  # exit_<k> or medusa_<i>
+    hidden: torch.Tensor  # [batch, positions, H] the head's input
+    offset: int  # the teacher of the head's position t is the target's distribution at t + offset
+    head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
+    weight: float = 1.0  # its share of the training loss (an EAGLE head weighs later unrolled steps less)
+
+    def teacher(self, per_position: torch.Tensor) -> torch.Tensor:
+        """The entries of a per-target-position tensor `[batch, T, ...]` that this draft is taught by."""
+        return per_position[:, self.offset : self.offset + self.hidden.shape[1]]
+
+
+@dataclass
+class Costs:
+    """Median seconds of one full one-token step, of one draft token per draft, and (if measured) of one
+    verify pass over gamma+1 positions."""
+
+    step_s: float
+    draft_s: dict[str, float]
+    verify_s: dict[int, float] = field(default_factory=dict)
+
+    def c(self, name: str) -> float:
+        return self.draft_s[name] / self.step_s
+
+    def v(self, gamma: int) -> float:
+        return self.verify_s[gamma] / self.step_s if gamma in self.verify_s else 1.0
+
+
 class DraftHeads(nn.Module):
     """What every kind of heads shares: the target fingerprint, a default gamma, an optional draft-only LoRA
-    on the shared LM head (`selfspec.lora`), the folder format."""
+    on the shared LM head (`selfspec.heads.lora`), the folder format."""
 
     kind = ""
+    setting_names: tuple[str, ...] = ()  # the constructor arguments that `settings` records, each an attribute too
 
     def __init__(
         self,
@@ -69,25 +99,18 @@ class DraftHeads(nn.Module):
         )
 
     def settings(self) -> dict:
-        """The constructor arguments (besides the fingerprint) that rebuild these heads."""
-        raise self._missing("settings")
+        """The constructor arguments (besides the fingerprint) that rebuild these heads: `setting_names`."""
+        if not self.setting_names:
+            raise self._missing("settings")
+        return {name: getattr(self, name) for name in self.setting_names}
 
-    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
-        """The `Drafter` these heads draft with (SelfSpeculative's arguments; unsupported ones raise ValueError)."""
-        raise NotImplementedError
-
-    def drafter(self, adapter: ModelAdapter, exit_layer=None, tree=None, vocab=None, confidence=None):
-        """`make_drafter`, with the heads' tuned gamma (`num_draft_tokens`) as the drafter's default."""
-        drafter = self.make_drafter(adapter, exit_layer, tree, vocab, confidence)
-        drafter.default_drafts = min(self.num_draft_tokens or drafter.default_drafts, drafter.max_drafts)
-        return drafter
-
-    # What training (selfspec.distill), `selfspec profile` and `selfspec tune` need of a kind: each kind implements
-    # these, so that none of them asks which kind it holds.
+    # What training (selfspec.training.distill), `selfspec profile` and `selfspec tune` need of a kind: each kind
+    # implements these, so that none of them asks which kind it holds. (Its drafter is `selfspec.drafters`'.)
 
     @classmethod
-    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> DraftHeads:
-        """Untrained heads as the `heads` section of a training config describes them, for `adapter`'s target."""
+    def from_config(cls, config, adapter: ModelAdapter) -> DraftHeads:
+        """Untrained heads as the `heads` section of a training config (`selfspec.training.config.HeadsConfig`)
+        describes them, for `adapter`'s target."""
         raise NotImplementedError(f"heads of kind {cls.kind!r} ({cls.__name__}) do not implement from_config")
 
     def draft_names(self) -> list[str]:
@@ -109,9 +132,9 @@ class DraftHeads(nn.Module):
     def cost_timers(
         self, adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, vocab
     ) -> dict[str, tuple[Callable[[object], object], list[str]]]:
-        """What `distill.measure_costs` times for c: {label: (call(cache), the drafts its time is charged to)}. A
-        call drafts after the cached context: `ids`, `positions` [1, 1] are the next token, `hidden` [1, n, H]
-        the context's normed last hidden states; `vocab` is the draft LM head (None: the model's own)."""
+        """What `selfspec.measure.costs.measure_costs` times for c: {label: (call(cache), the drafts its time is
+        charged to)}. A call drafts after the cached context: `ids`, `positions` [1, 1] are the next token, `hidden`
+        [1, n, H] the context's normed last hidden states; `vocab` is the draft LM head (None: the model's own)."""
         raise self._missing("cost_timers")
 
     def speedups(self, alphas: dict[str, float], costs: Costs, max_gamma: int) -> dict[str, dict]:

@@ -6,7 +6,7 @@ x_{i+1} (`ModelAdapter.embed`), joined by `fc`: fc([e(x_{i+1}); f_i]). One decod
 class (`OneLayerModel`: its attention, MLP, norms and position encoding, with a KV cache of its own) turns that
 into o_i, its guess at the next feature; the head's norm and the target's LM head (or a draft vocabulary's rows
 of it) give q for x_{i+2}. To draft further it feeds o_i back in place of the feature: fc([e(x_{i+2}); o_i]) at
-index i+1, and so on. The drafter is `selfspec.eagle.EagleDrafter`.
+index i+1, and so on. The drafter is `selfspec.drafters.eagle.EagleDrafter`.
 
 Training unrolls that loop ("training-time test", EAGLE-3): step 0 reads the target's features at every index;
 step j reads step j-1's outputs, one index back, and attends to the true entries up to its anchor i-j and to its
@@ -16,19 +16,13 @@ own chain's entries after it, so the head learns on the inputs it sees while dra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..adapter import ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
-from ..distill import Costs, Draft, expected_tokens
-from ..drafter import FINAL
-from .base import DraftHeads, DraftSetting, HeadsMismatchError, on_target
-
-if TYPE_CHECKING:
-    from ..config import HeadsConfig
+from ..adapter import FINAL, ModelAdapter, ModelFingerprint, OneLayerModel, additive_mask
+from ..engine.adaptive import expected_tokens
+from .base import Costs, Draft, DraftHeads, DraftSetting, HeadsMismatchError, on_target
 
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j
 
@@ -49,6 +43,7 @@ class EagleHeads(DraftHeads):
     then the target's LM head (shared) or a draft vocabulary's rows of it."""
 
     kind = "eagle"
+    setting_names = ("layer_config", "feature_layers", "unroll", "layout", "num_draft_tokens")
 
     def __init__(
         self,
@@ -93,15 +88,6 @@ class EagleHeads(DraftHeads):
         """The target hidden states the head reads, in `fuse`'s order (`Drafter.hidden_layers`)."""
         return tuple(self.feature_layers) if self.feature_layers is not None else (FINAL,)
 
-    def settings(self) -> dict:
-        return {
-            "layer_config": self.layer_config,
-            "feature_layers": self.feature_layers,
-            "unroll": self.unroll,
-            "layout": self.layout,
-            "num_draft_tokens": self.num_draft_tokens,
-        }
-
     # ------------------------------------------------------------------------------------ drafting
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., width * H] (the layers of `features`, joined) -> [..., H]."""
@@ -121,25 +107,9 @@ class EagleHeads(DraftHeads):
         """Draft logits [..., V] from outputs o [..., H]: the head's norm (eagle3), then the target's LM head."""
         return adapter.lm_logits(on_target(self.body.norm(outputs), adapter), None, vocab, self.draft_lora)
 
-    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
-        from ..eagle import DynamicTree, EagleDrafter  # the drafter module imports these heads' types for checks only
-
-        if exit_layer is not None:
-            raise ValueError("exit_layer does not apply to an EAGLE head: it drafts from the target's features.")
-        if tree is not None and not isinstance(tree, dict):
-            raise ValueError(
-                f"tree={tree!r}: an EAGLE head drafts dynamic trees, given as a dict such as "
-                "{'nodes': 8, 'top_k': 3, 'depth': 4} (paths of ranks are for Medusa heads)."
-            )
-        try:
-            shape = DynamicTree(**tree) if tree else None
-        except TypeError as error:
-            raise ValueError(f"tree={tree!r}: expected the keys nodes, top_k and depth ({error}).") from error
-        return EagleDrafter(adapter, self, vocab, confidence, shape)
-
     # ------------------------------------------------------------------------------------ training
     @classmethod
-    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> EagleHeads:
+    def from_config(cls, config, adapter: ModelAdapter) -> EagleHeads:
         heads = cls(
             adapter.fingerprint(), adapter.one_layer_config(), config.feature_layers, config.unroll, config.layout,
             config.num_draft_tokens,

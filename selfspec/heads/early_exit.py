@@ -5,18 +5,13 @@ the identity and the draft equals the untrained exit."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..adapter import ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft, best_gamma
-from ..drafters import EarlyExitDrafter
-from .base import DraftHeads, DraftSetting, on_target
-
-if TYPE_CHECKING:
-    from ..config import HeadsConfig
+from ..engine.adaptive import best_gamma
+from .base import Costs, Draft, DraftHeads, DraftSetting, on_target
 
 
 class ExitHead(nn.Module):
@@ -37,6 +32,7 @@ class ExitHeads(DraftHeads):
     """One `ExitHead` per exit depth, each with its own parameters, for one target model."""
 
     kind = "exit"
+    setting_names = ("exit_layers", "intermediate_size", "num_draft_tokens", "exit_layer")
 
     def __init__(
         self,
@@ -77,24 +73,8 @@ class ExitHeads(DraftHeads):
             )
         return self.heads[str(exit_layer)]
 
-    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence) -> EarlyExitDrafter:
-        if tree:
-            raise ValueError("A candidate tree needs Medusa or EAGLE heads: early exit drafts a chain.")
-        layer = self.default_exit_layer if exit_layer is None else exit_layer
-        drafter = EarlyExitDrafter(adapter, layer, None, vocab, self.draft_lora, confidence)  # checks the range
-        drafter.head = self.head_for(layer)
-        return drafter
-
-    def settings(self) -> dict:
-        return {
-            "exit_layers": self.exit_layers,
-            "intermediate_size": self.intermediate_size,
-            "num_draft_tokens": self.num_draft_tokens,
-            "exit_layer": self.exit_layer,
-        }
-
     @classmethod
-    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> ExitHeads:
+    def from_config(cls, config, adapter: ModelAdapter) -> ExitHeads:
         layers = config.exit_layers or default_exit_layers(adapter.num_layers)
         return cls(adapter.fingerprint(), layers, config.intermediate_size, config.num_draft_tokens)
 

@@ -5,19 +5,12 @@ predicts what the target's own next-token head predicts."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter, ModelFingerprint
-from ..distill import Costs, Draft, expected_tokens
-from ..drafters import MedusaDrafter
-from ..tree import CandidateTree
-from .base import DraftHeads, DraftSetting, on_target
-
-if TYPE_CHECKING:
-    from ..config import HeadsConfig
+from ..engine.adaptive import expected_tokens
+from .base import Costs, Draft, DraftHeads, DraftSetting, on_target
 
 
 class ResidualBlock(nn.Module):
@@ -38,6 +31,7 @@ class MedusaHeads(DraftHeads):
     the target's shared LM head, or by each head's own LM head when `own_lm_head`."""
 
     kind = "medusa"
+    setting_names = ("num_heads", "num_layers", "own_lm_head", "num_draft_tokens", "tree")
 
     def __init__(
         self,
@@ -68,22 +62,6 @@ class MedusaHeads(DraftHeads):
             else None
         )
 
-    def settings(self) -> dict:
-        return {
-            "num_heads": self.num_heads,
-            "num_layers": self.num_layers,
-            "own_lm_head": self.own_lm_head,
-            "num_draft_tokens": self.num_draft_tokens,
-            "tree": self.tree,
-        }
-
-    def make_drafter(self, adapter: ModelAdapter, exit_layer, tree, vocab, confidence) -> MedusaDrafter:
-        if exit_layer is not None:
-            raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
-        tree = tree if tree is not None else self.tree  # the heads may carry a default tree; [] forces a chain
-        candidates = CandidateTree.from_paths(tree, self.num_heads) if tree else None
-        return MedusaDrafter(adapter, self, candidates, vocab, confidence)
-
     def init_own_lm_heads(self, lm_head: nn.Module) -> None:
         """Start each own LM head as a copy of the target's (so an untrained head is its next-token head)."""
         if self.lm_heads is not None:
@@ -109,7 +87,7 @@ class MedusaHeads(DraftHeads):
         return torch.stack(per_head, dim=1)
 
     @classmethod
-    def from_config(cls, config: HeadsConfig, adapter: ModelAdapter) -> MedusaHeads:
+    def from_config(cls, config, adapter: ModelAdapter) -> MedusaHeads:
         heads = cls(
             adapter.fingerprint(), config.num_heads, config.num_layers, config.own_lm_head, config.num_draft_tokens
         )

@@ -1,4 +1,4 @@
-"""The EAGLE drafter: an `EagleHeads` head drafting chains from the target's features (selfspec/heads/eagle.py).
+"""The EAGLE drafter: an `EagleHeads` head drafting chains from the target's features (`selfspec.heads.eagle`).
 
 The head keeps a KV cache of its own, one entry per sequence index i: (f_i, token i+1) -> o_i. Only entries
 made of the target's true features stay in it. A draft of G tokens runs G head steps: step 0 takes the
@@ -20,19 +20,15 @@ candidates are deterministic, so the tree rule keeps the output exact, greedy or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
-from .adapter import ModelAdapter, additive_mask
-from .drafter import Draft, Drafter, Processing, Verified, draft_chain
-from .drafters import draft_head_size
-from .state import DecodeState
-from .tree import CandidateTree
-
-if TYPE_CHECKING:
-    from .heads.eagle import EagleHeads
+from ..adapter import ModelAdapter, additive_mask, draft_head_size
+from ..engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
+from ..engine.state import DecodeState
+from ..engine.tree import CandidateTree
+from ..heads import EagleHeads
 
 
 def append_right_aligned(old, old_counts, new, new_counts):
@@ -81,6 +77,22 @@ class EagleDrafter(Drafter):
         self._valid = self._backlog = self._counts = self._outputs = None
         self._fed_back = 0  # entries of the current draft that hold fed-back outputs (dropped after verifying)
 
+    @classmethod
+    def from_heads(cls, heads: EagleHeads, adapter: ModelAdapter, exit_layer, tree, vocab, confidence):
+        """The drafter of an EAGLE head: chains, or dynamic trees of the shape `tree` gives as a dict."""
+        if exit_layer is not None:
+            raise ValueError("exit_layer does not apply to an EAGLE head: it drafts from the target's features.")
+        if tree is not None and not isinstance(tree, dict):
+            raise ValueError(
+                f"tree={tree!r}: an EAGLE head drafts dynamic trees, given as a dict such as "
+                "{'nodes': 8, 'top_k': 3, 'depth': 4} (paths of ranks are for Medusa heads)."
+            )
+        try:
+            shape = DynamicTree(**tree) if tree else None
+        except TypeError as error:
+            raise ValueError(f"tree={tree!r}: expected the keys nodes, top_k and depth ({error}).") from error
+        return cls(adapter, heads, vocab, confidence, shape)
+
     @property
     def name(self) -> str:
         return "eagle"
@@ -92,7 +104,7 @@ class EagleDrafter(Drafter):
         head -= sum(p.numel() for p in self.heads.draft_lora.parameters()) if self.heads.draft_lora else 0
         target = sum(p.numel() for p in self.adapter.layers.parameters())
         target += sum(p.numel() for p in self.adapter.lm_head.parameters())
-        return (head + draft_head_size(self.adapter, self.vocab, self.heads.draft_lora)) / target
+        return (head + draft_head_size(self.adapter.lm_head, self.vocab, self.heads.draft_lora)) / target
 
     def _features(self, hidden: dict) -> torch.Tensor:
         return torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)

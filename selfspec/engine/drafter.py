@@ -1,7 +1,7 @@
 """The drafter interface: everything the decoding loop asks of a source of draft tokens.
 
 A drafter proposes tokens x_1..x_G with the distribution q they were drawn from; the loop verifies them
-in one pass of the target and the accept-reject rule (`selfspec.verify`) keeps exactly the tokens the
+in one pass of the target and the accept-reject rule (`selfspec.engine.verify`) keeps exactly the tokens the
 target would have produced, whatever q is, as long as each x_i really was drawn from q_i (a point mass
 for a deterministic proposer). So a drafter decides speed, never output. See docs/design.md.
 
@@ -15,8 +15,8 @@ One iteration, as the loop drives it:
     drafter.select_rows(rows)                                      rows that finished left the batch
     drafter.end(sequences)                                         the call is over (a cache across calls learns)
 
-`begin(state, hidden)` starts a `generate` call after the prefill. Built-in drafters: early exit and Medusa
-heads (`selfspec.drafters`), n-gram prompt lookup (`selfspec.ngram`), suffix drafting (`selfspec.suffix`).
+`begin(state, hidden)` starts a `generate` call after the prefill. Built-in drafters (`selfspec.drafters`): early
+exit, Medusa and EAGLE heads, n-gram prompt lookup, suffix drafting.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 from .state import DecodeState
 
 MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
-FINAL = "final"  # in `hidden_layers`: the target's last hidden state after its final norm (the LM head's input)
 
 # process(tokens [batch, G], logits [batch, P, V], offset) -> processed scores [batch, P, V] of the P
 # positions after the committed tokens and tokens[:, :offset + i]

@@ -5,10 +5,10 @@ For each draft (an exit depth, or the Medusa heads) it measures
   iterations in which the first i drafts were all accepted, P_i (greedy, or sampled with `do_sample`), so
   that E(gamma) = 1 + P_1 + ... + P_gamma tokens per pass without assuming i.i.d. acceptances;
 - c, the time of one draft token over one plain decoding step, and v(gamma), one full pass over gamma+1
-  positions over one plain step (`selfspec.distill.measure_costs`). An early-exit verify runs its lower k
+  positions over one plain step (`selfspec.measure.costs`). An early-exit verify runs its lower k
   layers for one position only (their KV entries come from the draft), so its v is taken as
   1 + (L - k) / L (v(gamma) - 1): the extra positions cost in the upper layers alone;
-- r, the position cost of the batch-aware controller (`selfspec.adaptive.DraftController`), per batch size in
+- r, the position cost of the batch-aware controller (`selfspec.engine.adaptive.DraftController`), per batch size in
   use: one full pass over rows x (gamma+1) positions against one over rows x 1, for gamma = 1..max_gamma, at
   each of `batch_sizes` (a batch-1 fit measures mostly per-pass overhead, and would keep gamma near 0 at batch
   sizes where a device verifies more positions almost for free);
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
-from .adaptive import PositionCost, position_cost_from
-from .bench import DEFAULT_TREE, cut_tree
-from .distill import _timed, measure_costs
-from .heads import DraftHeads
-from .speculative import SelfSpeculative
-from .stats import sum_stats
+from ..adapter import ModelAdapter
+from ..engine.adaptive import PositionCost, position_cost_from
+from ..engine.stats import sum_stats
+from ..heads import DraftHeads
+from ..speculative import SelfSpeculative
+from .contenders import DEFAULT_TREE, cut_tree
+from .costs import _timed, measure_costs
 
 CANDIDATE_TREES = [  # besides the chain: two and three candidates for the next token, then chains
     [[0], [1], [0, 0], [1, 0], [0, 0, 0]],

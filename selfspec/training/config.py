@@ -19,10 +19,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .adapter import LAYOUTS
-from .heads import KINDS
-from .heads import default_exit_layers as default_exit_layers  # the `heads.exit_layers` default, re-exported
-from .lora import check_target
+from ..adapter import LAYOUTS
+from ..heads import KINDS
+from ..heads.lora import check_target
 
 ConfigT = TypeVar("ConfigT")
 

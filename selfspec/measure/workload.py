@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .specbench import ChatPrompt
+from .prompts import ChatPrompt
 
 TASKS = (
     "Add type hints to this Python function. Return the whole function.",
@@ -87,12 +87,13 @@ def revision_prompts(tokenizer, answer, count: int) -> list[ChatPrompt]:
 
 
 def repeated_contenders(model, eagle_heads=None, draft_vocab=None) -> list:
-    """model.generate, transformers' prompt lookup, selfspec's n-gram lookup, suffix drafting with its memory across
-    calls, and its hybrid with an EAGLE head (where one is given), greedy."""
-    from .bench import generate_contender, selfspec_contender
+    """model.generate, transformers' prompt lookup, selfspec's plain loop (the unit of c and v), n-gram lookup, suffix
+    drafting with its memory across calls, and its hybrid with an EAGLE head (where one is given), greedy."""
+    from .contenders import generate_contender, selfspec_contender
 
     field_ = [generate_contender(model, "generate", False, 1.0),
               generate_contender(model, "transformers prompt lookup", False, 1.0, prompt_lookup_num_tokens=10),
+              selfspec_contender(model, "selfspec plain loop", False, 1.0, num_draft_tokens=0),  # the unit of c
               selfspec_contender(model, "selfspec ngram", False, 1.0, drafter="ngram"),
               selfspec_contender(model, "selfspec suffix", False, 1.0, drafter="suffix")]  # fmt: skip
     if eagle_heads is not None:

@@ -6,10 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import SUPPORTED_ARCHITECTURES, __version__
+from .. import SUPPORTED_ARCHITECTURES, __version__
+from ..families import REFUSED_ARCHITECTURES, SUPPORT_RULE
+from ..targets import DEMO_TARGET
 from .commands import add_bench_parser, add_tune_parser, run_bench_command, run_tune_command
 from .demo import add_demo_parser, run_demo
-from .families import REFUSED_ARCHITECTURES, SUPPORT_RULE
 from .options import (
     BUNDLED,
     BUNDLED_CONFIG,
@@ -21,7 +22,6 @@ from .options import (
     set_threads,
     target_path,
 )
-from .targets import DEMO_TARGET
 
 
 def add_profile_parser(commands) -> None:
@@ -65,11 +65,11 @@ def add_profile_parser(commands) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """`selfspec profile`: print the table, write the plot, optionally log a W&B run."""
-    from .adapter import ModelAdapter
-    from .config import DataConfig, EvalConfig, default_exit_layers
-    from .data import load_rows, row_tensor
-    from .heads import ExitHeads, load_heads
-    from .profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
+    from ..adapter import ModelAdapter
+    from ..heads import ExitHeads, default_exit_layers, load_heads
+    from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
+    from ..training.config import DataConfig, EvalConfig
+    from ..training.data import load_rows, row_tensor
 
     check_plotting()
     set_threads(args.num_threads)
@@ -143,9 +143,9 @@ def add_export_parser(commands) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """`selfspec export`: load the model and its heads, write the checkpoint."""
-    from .adapter import ModelAdapter
-    from .export import export_eagle
-    from .heads import load_heads
+    from ..adapter import ModelAdapter
+    from ..export import export_eagle
+    from ..heads import load_heads
 
     model, _ = load_cli_model(args.model, args.dtype)
     try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
@@ -164,8 +164,8 @@ EXTRAS = {"matplotlib": "demo", "tqdm": "demo", "yaml": "demo", "datasets": "tra
 def bundled_heldout() -> str:
     """The demo target's held-out files that this Python's standard library has, comma-separated (the list is
     CPython 3.11's; a few of the files are missing in other versions)."""
-    from .config import TrainHeadsConfig, load_config
-    from .data import expand_globs
+    from ..training.config import TrainHeadsConfig, load_config
+    from ..training.data import expand_globs
 
     patterns = load_config(TrainHeadsConfig, BUNDLED_CONFIG).data.heldout_files
     files = expand_globs(patterns, required=False)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from .adapter import read_token_ids
-from .hardware import speculation_dtype
-from .heads import DraftHeads, load_heads
-from .specbench import ChatPrompt, read_prompts
-from .targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
+from ..adapter import read_token_ids
+from ..hardware import speculation_dtype
+from ..heads import DraftHeads, load_heads
+from ..measure.prompts import ChatPrompt, read_prompts
+from ..targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
 BUNDLED_CONFIG = REPOSITORY / "configs" / "train_heads_demo.yaml"  # lists the demo target's held-out files
 THREADS_HELP = (
@@ -121,7 +121,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
         f"{', '.join(sorted(HALF_PRECISION_TARGETS))}, bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16, "
         "amx_bf16) and float32 on other CPUs, where bf16 passes over several positions cost several steps and "
         "speculation loses; float32 for other targets). In half precision the greedy check allows ties of the top-2 "
-        "scores (selfspec.ties); in float32 it is token for token",
+        "scores (selfspec.measure.ties); in float32 it is token for token",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
@@ -135,7 +135,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
 def load_target(args: argparse.Namespace, with_prompts: bool = True):
     """(model, tokenizer, heads by kind, prompt strings, draft vocabulary or None) from the command line; no prompts
     (an empty list) without `with_prompts`."""
-    from .adapter import ModelAdapter
+    from ..adapter import ModelAdapter
 
     set_threads(args.num_threads)
     resolve_dtype(args)

@@ -1,7 +1,7 @@
 """Measure draft heads on held-out text: evaluation, the alpha / c / speedup table, its plot and card.
 
 Shared by `training/train_heads.py` (held-out evaluation during training) and `selfspec profile`; the text
-itself comes from `selfspec.data`.
+itself comes from `selfspec.training.data`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from .adapter import DraftVocabulary, ModelAdapter
+from ..adapter import DraftVocabulary, ModelAdapter
+from ..heads import DraftHeads
+from ..heads.base import Costs
+from ..training.config import EvalConfig, TrainHeadsConfig
+from ..training.distill import score_sums, target_pass
 from .bench import markdown_table
-from .config import EvalConfig, TrainHeadsConfig
-from .distill import Costs, measure_costs, score_sums, target_pass
-from .heads import DraftHeads
+from .costs import measure_costs
 
 METRICS = ("kl", "alpha", "top1")
 

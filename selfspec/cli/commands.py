@@ -1,5 +1,6 @@
-"""`selfspec bench` and `selfspec tune` on the command line: load the target (`selfspec.options`), run
-`selfspec.bench` or `selfspec.tune`, print and write the results. Without --model they run on the bundled toy target."""
+"""`selfspec bench` and `selfspec tune` on the command line: load the target (`selfspec.cli.options`), run
+`selfspec.measure.bench` or `selfspec.measure.tune`, print and write the results. Without --model they run on the
+bundled toy target."""
 
 from __future__ import annotations
 
@@ -9,21 +10,13 @@ from pathlib import Path
 
 import torch
 
-from .bench import (
-    compiled_contenders,
-    generate_contender,
-    markdown_table,
-    plot_speedups,
-    run_bench,
-    selfspec_contender,
-    standard_contenders,
-    write_json,
-)
-from .heads import EagleHeads, ExitHeads, MedusaHeads
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..measure.bench import category_report, markdown_table, plot_speedups, run_bench, summarize_by_category, write_json
+from ..measure.contenders import compiled_contenders, generate_contender, selfspec_contender, standard_contenders
+from ..measure.prompts import ChatPrompt, categories_of, first_per_category
+from ..speculative import SelfSpeculative
+from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
-from .specbench import ChatPrompt, categories_of, category_report, first_per_category, summarize_by_category
-from .speculative import SelfSpeculative
-from .targets import DEFAULT_TARGET, default_heads
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -101,7 +94,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dict, vocab) -> int:
     """`selfspec bench --workload repeated` (`selfspec.workload`): warm-up calls, then the timed prompts by kind."""
-    from .workload import repeated_contenders, revision_prompts, same_task_prompts, warm_up
+    from ..measure.workload import repeated_contenders, revision_prompts, same_task_prompts, warm_up
 
     warm, timed = same_task_prompts(tokenizer, args.warmup)
 
@@ -180,7 +173,7 @@ def add_bench_parser(commands) -> None:
 
 def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
     """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
-    from .bench import batch_table, batch_throughput
+    from ..measure.bench import batch_table, batch_throughput
 
     medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
     if medusa is not None:
@@ -217,8 +210,8 @@ def add_tune_parser(commands) -> None:
 
 
 def run_tune_command(args: argparse.Namespace) -> int:
-    from .heads import CARD_NAME
-    from .tune import apply_choice, format_choices, tune, tuned_card
+    from ..heads import CARD_NAME
+    from ..measure.tune import apply_choice, format_choices, tune, tuned_card
 
     model, tokenizer, heads, prompts, vocab = load_target(args)
     if not heads:

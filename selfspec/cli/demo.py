@@ -1,13 +1,13 @@
 """`selfspec demo`: load a target and its heads, run its best modes next to `model.generate`, report.
 
 The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-instruct`, the `[smollm2]` extra)
-in bfloat16 where the machine multiplies it natively and in float32 elsewhere (`selfspec.options.default_dtype`):
+in bfloat16 where the machine multiplies it natively and in float32 elsewhere (`selfspec.cli.options.default_dtype`):
 plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the draft
 vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
 target pass, and checks the greedy outputs against `model.generate`'s: in bfloat16 up to ties of its top-2 scores
-(`selfspec.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead (heads/demo-target,
-trained by this project) on held-out code prompts, with every kind of its heads and alpha per exit depth (also as a
-PNG).
+(`selfspec.measure.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead
+(heads/demo-target, trained by this project) on held-out code prompts, with every kind of its heads and alpha per
+exit depth (also as a PNG).
 """
 
 from __future__ import annotations
@@ -19,17 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .bench import (
-    COLUMNS,
-    Contender,
-    eagle_contenders,
-    generate_contender,
-    markdown_table,
-    run_bench,
-    selfspec_contender,
-    tree_for,
-)
-from .heads import EagleHeads, ExitHeads, MedusaHeads
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..measure.bench import COLUMNS, markdown_table, run_bench
+from ..measure.contenders import Contender, eagle_contenders, generate_contender, selfspec_contender, tree_for
+from ..measure.ties import TIE, TIE_STEPS
+from ..targets import DEMO_TARGET
 from .options import (
     HelpFormatter,
     add_model_arguments,
@@ -39,8 +33,6 @@ from .options import (
     load_target,
     resolve_dtype,
 )
-from .targets import DEMO_TARGET
-from .ties import TIE, TIE_STEPS
 
 DEMO_COLUMNS = ["contender", "tokens_per_s", "speedup", "matched", "alpha_hat", "tokens_per_pass"]
 # How the demo runs SmolLM2-135M-Instruct (other targets: every mode their heads allow): its best modes only, as each
@@ -49,7 +41,7 @@ BEST_MODES_ONLY = {DEMO_TARGET}
 
 
 def demo_dtype(model: str, device: str = "cpu") -> str:
-    """The dtype the demo runs `model` in without --dtype (`selfspec.options.default_dtype`)."""
+    """The dtype the demo runs `model` in without --dtype (`selfspec.cli.options.default_dtype`)."""
     return default_dtype(model, device)[0]
 
 
@@ -106,8 +98,8 @@ def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
 
 def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
     """Analytic alpha per exit depth, untrained exit next to trained heads, on the given token sequences."""
-    from .adapter import ModelAdapter
-    from .profile import evaluate, report_rows, untrained_like
+    from ..adapter import ModelAdapter
+    from ..measure.profile import evaluate, report_rows, untrained_like
 
     adapter = ModelAdapter(model)
     length = min(s.shape[-1] for s in sequences)
@@ -145,7 +137,7 @@ def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[
     """The demo's greedy check over the selfspec contenders' runs: (report lines: the rule applied, each mode's
     count of prompts identical to model.generate and left at a tie, the verdict; failures: one line per mode whose
     output left model.generate's other than at a tie). The verdicts are `run_bench`'s, by
-    `selfspec.ties.compare_greedy`: in float32 identical tokens, in half precision identical up to a tie."""
+    `selfspec.measure.ties.compare_greedy`: in float32 identical tokens, in half precision identical up to a tie."""
     name = str(dtype).removeprefix("torch.")
     if dtype == torch.float32:
         rule = f"Greedy check ({name}): each output must equal model.generate's, token for token."
@@ -183,7 +175,7 @@ def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .profile import format_table, plot_alpha
+    from ..measure.profile import format_table, plot_alpha
 
     check_plotting()
     resolve_dtype(args)

@@ -11,7 +11,7 @@ scores are within `TIE_STEPS` rounding steps of each other, and there it takes o
 How far rounding moves the top-2 gap, in rounding steps of the dtype: one pass over a whole greedy answer
 against `generate`'s one-token steps (a coarser change of shapes than a verify pass over a few positions).
 SmolLM2-135M-Instruct in bfloat16, 48 new tokens after the first Spec-Bench development prompt of each
-category, 288 positions (`python -m selfspec.ties --prompts specbench_dev.jsonl`): median 1.0, 90th
+category, 288 positions (`python -m selfspec.measure.ties --prompts specbench_dev.jsonl`): median 1.0, 90th
 percentile 1.5, 99th percentile 5.2, largest 109. TIE_STEPS = 4 covers about 98% of positions; a divergence
 at a wider gap is reported as a mismatch, even though rounding can reach it.
 """
@@ -92,11 +92,11 @@ def gap_shifts(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> l
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m selfspec.ties --model NAME --prompts FILE`: the rounding figures quoted above."""
+    """`python -m selfspec.measure.ties --model NAME --prompts FILE`: the rounding figures quoted above."""
     import argparse
 
-    from .specbench import first_per_category, read_prompts
-    from .targets import load_model
+    from ..targets import load_model
+    from .prompts import first_per_category, read_prompts
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a known target or a model folder")

@@ -1,8 +1,8 @@
 """Where one decoding iteration's time goes: a host timer per section of the loop, and torch's op view.
 
-    python -m selfspec.loop_profile --model demo --modes plain,medusa,exit,tree,ngram --gamma 3
-    python -m selfspec.loop_profile --model demo --modes plain,medusa,exit --before fbc8173   # against a git ref
-    python -m selfspec.loop_profile --model demo --modes plain,medusa,ngram --compile   # and with compile=True
+    python -m selfspec.cli.loop_profile --model demo --modes plain,medusa,exit,tree,ngram --gamma 3
+    python -m selfspec.cli.loop_profile --model demo --modes plain,medusa,exit --before fbc8173   # against a git ref
+    python -m selfspec.cli.loop_profile --model demo --modes plain,medusa,ngram --compile   # and with compile=True
 
 Each mode runs with a fixed gamma (no adaptive drafting), so that every iteration has the same shape. The
 loop's functions are wrapped for the run (nothing in the library is instrumented): the time inside each is
@@ -39,30 +39,31 @@ from .options import HelpFormatter, add_model_arguments, encode, load_target
 
 ROOT = "iteration"
 DRAFT_SECTIONS = ("draft", "draft check", "choose drafter")
-# (module, owner or None for a module function, attribute, section); missing attributes are skipped, so that
-# older versions of the loop (--before) are timed by the same sections
+# (owner, attribute, section): the owner is "loop" (the class that defines `SelfSpeculative`'s loop), None (a
+# function of the loop's module) or a class the loop's module imports; missing ones are skipped, so that older
+# versions of the loop (--before), whatever their modules, are timed by the same sections
 WRAPPED = [
-    ("speculative", "SelfSpeculative", "speculative_step", ROOT),
-    ("speculative", "SelfSpeculative", "tree_step", ROOT),
-    ("speculative", "SelfSpeculative", "_prefill", "prefill"),
-    ("speculative", "SelfSpeculative", "_choose_drafter", "choose drafter"),
-    ("speculative", None, "check_draft", "draft check"),
-    ("speculative", None, "target_pass", "verify forward"),
-    ("speculative", None, "process_scores", "processing"),
-    ("speculative", None, "process_tree_scores", "processing"),
-    ("call", "Call", "process", "processing"),
-    ("speculative", None, "accept_greedy", "acceptance"),
-    ("speculative", None, "accept_sampling", "acceptance"),
-    ("speculative", None, "accept_tree", "acceptance"),
-    ("speculative", None, "pick", "acceptance"),
-    ("drafter", "Draft", "probabilities", "acceptance"),
-    ("call", "Call", "record_alpha", "alpha tally"),
-    ("call", "Call", "commit", "commit"),
-    ("speculative", "SelfSpeculative", "_hand_over", "hand over"),
-    ("adapter", "ModelAdapter", "crop", "cache"),
-    ("adapter", "ModelAdapter", "rearrange", "cache"),
-    ("stats", "GenerationStats", "record_iteration", "stats"),
-    ("adaptive", "DraftController", "update", "stats"),
+    ("loop", "speculative_step", ROOT),
+    ("loop", "tree_step", ROOT),
+    ("loop", "_prefill", "prefill"),
+    ("loop", "_choose_drafter", "choose drafter"),
+    (None, "check_draft", "draft check"),
+    (None, "target_pass", "verify forward"),
+    (None, "process_scores", "processing"),
+    (None, "process_tree_scores", "processing"),
+    ("Call", "process", "processing"),
+    (None, "accept_greedy", "acceptance"),
+    (None, "accept_sampling", "acceptance"),
+    (None, "accept_tree", "acceptance"),
+    (None, "pick", "acceptance"),
+    ("Draft", "probabilities", "acceptance"),
+    ("Call", "record_alpha", "alpha tally"),
+    ("Call", "commit", "commit"),
+    ("loop", "_hand_over", "hand over"),
+    ("ModelAdapter", "crop", "cache"),
+    ("ModelAdapter", "rearrange", "cache"),
+    ("GenerationStats", "record_iteration", "stats"),
+    ("DraftController", "update", "stats"),
 ]
 COMPILED_MODES = ("plain", "medusa", "ngram", "eagle")  # the modes compile=True runs (chains through full passes)
 DRAFTER_METHODS = {"draft": "draft", "draft_tree": "draft", "verify": "verify forward", "verify_tree": "verify forward"}
@@ -117,13 +118,15 @@ class SectionTimer:
 def instrumented(package, spec, timer: SectionTimer):
     """The loop of `package` (selfspec or an older copy) with its sections timed by `timer` while inside."""
     with ExitStack() as stack:
-        targets = [(getattr(importlib.import_module(f"{package.__name__}.{module}"), owner) if owner else
-                    importlib.import_module(f"{package.__name__}.{module}"), name, section)
-                   for module, owner, name, section in WRAPPED]  # fmt: skip
+        loop = next(owner for owner in type(spec).__mro__ if "speculative_step" in vars(owner))
+        module = sys.modules[loop.__module__]  # the loop's functions, and the classes it imports
+        owners = {"loop": loop, None: module}
+        targets = [(owners[owner] if owner in owners else getattr(module, owner, None), name, section)
+                   for owner, name, section in WRAPPED]  # fmt: skip
         targets += [(type(part), name, section) for part in spec.drafters for name, section in DRAFTER_METHODS.items()]
         done = set()
         for owner, name, section in targets:
-            if (id(owner), name) in done or name not in dir(owner):
+            if owner is None or (id(owner), name) in done or name not in dir(owner):
                 continue
             done.add((id(owner), name))
             original = inspect.getattr_static(owner, name)
@@ -138,7 +141,7 @@ def load_package(ref: str | None):
     """selfspec from the working tree (ref None), or as it was at git commit `ref`, imported as `selfspec_<ref>`."""
     if ref is None:
         return importlib.import_module("selfspec")
-    repository = Path(__file__).resolve().parent.parent
+    repository = Path(__file__).resolve().parents[2]
     name = "selfspec_" + "".join(ch if ch.isalnum() else "_" for ch in ref)
     root = Path(tempfile.mkdtemp(prefix="selfspec_before_"))
     archive = subprocess.run(["git", "-C", str(repository), "archive", ref, "selfspec"], check=True,
@@ -147,6 +150,16 @@ def load_package(ref: str | None):
     (root / "selfspec").rename(root / name)
     sys.path.insert(0, str(root))
     return importlib.import_module(name)
+
+
+def contenders(package):
+    """`package`'s module of benchmark contenders: `measure.contenders`, or `bench` in versions before it."""
+    for name in ("measure.contenders", "bench"):
+        try:
+            return importlib.import_module(f"{package.__name__}.{name}")
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"{package.__name__} has no module of benchmark contenders")
 
 
 def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
@@ -161,7 +174,7 @@ def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
     if mode == "medusa":
         return {"heads": heads["medusa"], "tree": [], **chain}
     if mode == "tree":
-        return {"heads": heads["medusa"], "tree": package.bench.tree_for(heads["medusa"])}
+        return {"heads": heads["medusa"], "tree": contenders(package).tree_for(heads["medusa"])}
     if mode == "eagle":
         return {"heads": heads["eagle"], **chain}
     raise SystemExit(f"unknown mode {mode!r}: plain, medusa, exit, tree, ngram or eagle")
@@ -172,7 +185,6 @@ def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object
     packages = [load_package(None)] + ([load_package(args.before)] if args.before else [])
     runs = []
     for package in packages:
-        importlib.import_module(f"{package.__name__}.bench")
         adapter = package.adapter.ModelAdapter(model)
         heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
         for mode in args.modes.split(","):
@@ -257,8 +269,10 @@ def op_view(runs, prompt, args) -> None:
 
 
 def speed(model, runs, prompts, args) -> None:
-    """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved (`bench.run_bench`)."""
-    from .bench import Contender, generate_contender, run_bench
+    """End to end, uninstrumented: tokens/s of every run and of `model.generate`, interleaved
+    (`selfspec.measure.bench.run_bench`)."""
+    from ..measure.bench import run_bench
+    from ..measure.contenders import Contender, generate_contender
 
     def runner(spec):
         return lambda ids, new: spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
@@ -295,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
     args = parser.parse_args(argv)
     model, tokenizer, heads, prompt_texts, _ = load_target(args)
-    from .heads import EagleHeads, ExitHeads, MedusaHeads
-    from .targets import default_heads
+    from ..heads import EagleHeads, ExitHeads, MedusaHeads
+    from ..targets import default_heads
 
     paths = args.heads or default_heads(args.model or "demo")
     kinds = {ExitHeads: "exit", MedusaHeads: "medusa", EagleHeads: "eagle"}

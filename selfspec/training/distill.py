@@ -1,4 +1,5 @@
-"""Self-distillation of draft heads on a frozen target, and the figures that predict their speedup.
+"""Self-distillation of draft heads on a frozen target: the losses, and the held-out alpha and top-1 agreement that
+predict their speedup with c (timed by `selfspec.measure.costs`).
 
 p is the frozen target's own next-token distribution at a position (temperature 1, raw logits), q a
 draft's distribution for the same token (docs/design.md, "The math"):
@@ -9,34 +10,25 @@ draft's distribution for the same token (docs/design.md, "The math"):
 - top-1 agreement: argmax q == argmax p, the greedy acceptance.
 - expected tokens per iteration E = 1 + a_1 + a_1 a_2 + ... (= (1 - alpha^(gamma+1)) / (1 - alpha) for a
   constant alpha) and the speedup S(gamma) = E / (v(gamma) + gamma c), c = t_draft / t_step and
-  v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured).
+  v(gamma) = t_verify(gamma+1 positions) / t_step (1 unless measured): `selfspec.engine.adaptive`.
 
 Drafts: each kind of heads says what its drafts read and which target position teaches them
-(`DraftHeads.distillation_drafts`). An exit head k reads the pre-norm hidden state after layer k
-(`hidden_states[k]`) and predicts the next token, so its teacher is the target's distribution at the same
-position. Medusa head i (0-based) reads the normed final hidden state at position t and predicts the token
-at t+2+i, so its teacher is the target's distribution at position t+1+i.
+(`DraftHeads.distillation_drafts`, a list of `selfspec.heads.base.Draft`). An exit head k reads the pre-norm
+hidden state after layer k (`hidden_states[k]`) and predicts the next token, so its teacher is the target's
+distribution at the same position. Medusa head i (0-based) reads the normed final hidden state at position t
+and predicts the token at t+2+i, so its teacher is the target's distribution at position t+1+i.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .adapter import DraftVocabulary, ModelAdapter
-from .adaptive import predicted_speedup  # S(gamma) = E / (v + gamma c), shared with the run-time controller
-
-if TYPE_CHECKING:  # each kind of heads builds its drafts from this module's `Draft`
-    from .heads import DraftHeads
+from ..adapter import DraftVocabulary, ModelAdapter
+from ..heads.base import Draft, DraftHeads
 
 # ------------------------------------------------------------------------------------------ the math
 
@@ -65,38 +57,7 @@ def top1_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tens
     return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
 
 
-def expected_tokens(alphas: list[float]) -> float:
-    """Tokens committed per iteration when draft i is accepted with probability alphas[i] once drafts
-    0..i-1 were: 1 + a_1 + a_1 a_2 + ... (the bonus or corrected token counts as the 1)."""
-    total, reach = 1.0, 1.0
-    for alpha in alphas:
-        reach *= alpha
-        total += reach
-    return total
-
-
-def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float] = lambda gamma: 1.0):
-    """(gamma, S(gamma)) with the largest predicted speedup `predicted_speedup` for gamma = 1..max_gamma (a
-    speedup below 1 says that drafting at this depth cannot pay)."""
-    return max(((g, predicted_speedup(alpha, g, c, v(g))) for g in range(1, max_gamma + 1)), key=lambda x: x[1])
-
-
 # --------------------------------------------------------------------------------------- the drafts
-
-
-@dataclass
-class Draft:
-    """One draft of a heads set on one batch: what its head reads and the target logits it must match."""
-
-    name: str  # exit_<k> or medusa_<i>
-    hidden: torch.Tensor  # [batch, positions, H] the head's input
-    offset: int  # the teacher of the head's position t is the target's distribution at t + offset
-    head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
-    weight: float = 1.0  # its share of the training loss (an EAGLE head weighs later unrolled steps less)
-
-    def teacher(self, per_position: torch.Tensor) -> torch.Tensor:
-        """The entries of a per-target-position tensor `[batch, T, ...]` that this draft is taught by."""
-        return per_position[:, self.offset : self.offset + self.hidden.shape[1]]
 
 
 @torch.no_grad()
@@ -175,81 +136,3 @@ def state_digest(module: nn.Module) -> str:
         # flat first: a 0-dim tensor (Gemma 3's embed_scale buffer) cannot be viewed as bytes
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------------- measuring c, v
-
-
-@dataclass
-class Costs:
-    """Median seconds of one full one-token step, of one draft token per draft, and (if measured) of one
-    verify pass over gamma+1 positions."""
-
-    step_s: float
-    draft_s: dict[str, float]
-    verify_s: dict[int, float] = field(default_factory=dict)
-
-    def c(self, name: str) -> float:
-        return self.draft_s[name] / self.step_s
-
-    def v(self, gamma: int) -> float:
-        return self.verify_s[gamma] / self.step_s if gamma in self.verify_s else 1.0
-
-
-def _timed(run: Callable[[object], object], state: object, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    run(state)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-@torch.no_grad()
-def measure_costs(
-    adapter: ModelAdapter,
-    heads: DraftHeads,
-    tokens: torch.Tensor,
-    repeats: int = 20,
-    max_gamma: int = 0,
-    vocab: DraftVocabulary | None = None,
-) -> Costs:
-    """Time one-token steps after a cached context `tokens[:, :n - max(max_gamma, 1) - 1]` ([1, n] ids).
-
-    Full step: all layers for one token. Drafts: what the heads' `cost_timers` give (exit depth k: layers
-    0..k-1 and exit head k for one token; Medusa: all heads on one hidden state, as they run together once per
-    iteration). v(gamma), gamma = 1..max_gamma: one full pass over gamma+1 new positions. Drafts read only a
-    reduced `vocab`'s LM-head rows when given.
-    Every call starts from a copy of the same prefilled cache;
-    the calls are interleaved within each repetition, so that load on a shared machine slows all of them
-    alike, and the median over `repeats` (after two warm-up rounds) is kept.
-    """
-    context = tokens.shape[1] - max(max_gamma, 1) - 1
-    if context < 1:
-        raise ValueError(f"timing needs more than {max(max_gamma, 1) + 1} tokens; got {tokens.shape[1]}")
-    device = adapter.device
-    cache = adapter.new_cache()
-    _, hidden = adapter.forward_with_hidden(tokens[:, :context], torch.arange(context, device=device)[None], cache)
-
-    def after(count: int):  # the next `count` tokens and their positions
-        return tokens[:, context : context + count], torch.arange(context, context + count, device=device)[None]
-
-    def full(count: int):
-        ids, positions = after(count)
-        return lambda fresh_cache: adapter.forward(ids, positions, fresh_cache)
-
-    ids, positions = after(1)
-    # timed as generation runs them: in the target's dtype (training keeps float32 heads on a half-precision target)
-    heads = copy.deepcopy(heads).to(dtype=adapter.dtype)
-    timers = heads.cost_timers(adapter, ids, positions, hidden, vocab)  # {label: (call, drafts charged)}
-    calls: dict[object, Callable[[object], object]] = {"step": full(1)}
-    calls.update({label: call for label, (call, _) in timers.items()})
-    calls.update({gamma: full(gamma + 1) for gamma in range(1, max_gamma + 1)})
-    times: dict[object, list[float]] = {key: [] for key in calls}
-    for _ in range(repeats + 2):
-        for key, call in calls.items():
-            times[key].append(_timed(call, copy.deepcopy(cache), device))  # the copy is made before the clock starts
-    median = {key: statistics.median(values[2:]) for key, values in times.items()}
-    draft_s = {name: median[label] for label, (_, names) in timers.items() for name in names}
-    return Costs(median["step"], draft_s, {gamma: median[gamma] for gamma in range(1, max_gamma + 1)})

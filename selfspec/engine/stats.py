@@ -30,8 +30,8 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
-    # v(gamma) by gamma the adaptive choice used where it was measured on this machine (`selfspec.verify_cost`), and
-    # the seconds this call spent measuring it (0 after the first call on the same model, dtype and batch size)
+    # v(gamma) by gamma as the adaptive choice used it where it was measured on this machine (`engine.verify_cost`),
+    # and the seconds this call spent measuring it (0 after the first call on the same model, dtype and batch size)
     verify_costs: tuple[float, ...] | None = None
     measure_seconds: float = 0.0
 

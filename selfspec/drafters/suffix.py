@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import Draft, Drafter, Processing, Verified
-from .state import DecodeState
-from .tree import CandidateTree
+from ..engine.drafter import Draft, Drafter, Processing, Verified
+from ..engine.state import DecodeState
+from ..engine.tree import CandidateTree
 
 
 class SuffixIndex:

@@ -1,18 +1,18 @@
-"""Spec-Bench prompts for `selfspec bench --prompts question.jsonl`, and its results by category.
+"""The prompts of a benchmark: a .json list or a .jsonl file of strings (`load_prompts`), or Spec-Bench questions
+for `selfspec bench --prompts question.jsonl` (`read_prompts` tells them apart).
 
 Spec-Bench (Xia et al., ACL Findings 2024) is a JSONL file of questions: `question_id`, `category` and
 `turns` (the user's messages). A prompt is the first turn rendered with the tokenizer's chat template,
 ending in the assistant's generation prompt; a tokenizer without a chat template (a base model, such as the
-demo target) is refused, since a bare question is not what an instruct model is benchmarked on. Results
-are reported per category, with the eight MT-bench categories grouped as one (`mt_bench`), and overall.
+demo target) is refused, since a bare question is not what an instruct model is benchmarked on. Each prompt
+remembers its category: results are reported per category (`selfspec.measure.bench.summarize_by_category`), with the
+eight MT-bench categories grouped as one (`mt_bench`), and overall.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from .bench import Contender, load_prompts, markdown_table, summarize
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")  # Spec-Bench's order
@@ -66,8 +66,29 @@ def chat_prompts(rows: list[dict], tokenizer, source: str = "Spec-Bench") -> lis
     return prompts
 
 
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .json list (strings, or objects with a `prompt` or `text` field) or a .jsonl file."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        items = json.loads(text)
+    elif path.suffix == ".jsonl":
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        raise ValueError(f"{path}: prompts must be a .json list or a .jsonl file, one prompt per line")
+    prompts = []
+    for number, item in enumerate(items, 1):
+        prompt = item if isinstance(item, str) else (item.get("prompt") or item.get("text"))
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: item {number} has no prompt (a string, or a `prompt` or `text` field)")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
 def read_prompts(path: str | Path, tokenizer) -> list[str]:
-    """The prompts of a file: Spec-Bench questions as `ChatPrompt`s, else `bench.load_prompts`'s strings."""
+    """The prompts of a file: Spec-Bench questions as `ChatPrompt`s, else `load_prompts`'s strings."""
     rows = read_questions(path)
     return chat_prompts(rows, tokenizer, str(path)) if rows is not None else load_prompts(path)
 
@@ -90,34 +111,3 @@ def categories_of(prompts: list[str]) -> list[str] | None:
         return None
     present = {prompt.category for prompt in prompts}
     return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
-
-
-def summarize_by_category(contenders: list[Contender], prompts: list[ChatPrompt]) -> dict[str, list[dict]]:
-    """`bench.summarize` over each category's prompts alone, then over all of them (`overall`)."""
-    by_category = {}
-    for category in categories_of(prompts):
-        indices = {i for i, prompt in enumerate(prompts) if prompt.category == category}
-        by_category[category] = summarize([contender.runs_on(indices) for contender in contenders])
-    by_category[OVERALL] = summarize(contenders)
-    return by_category
-
-
-def category_report(by_category: dict[str, list[dict]], prompts: list[ChatPrompt]) -> str:
-    """Markdown: one table per category and overall, then the speedups side by side."""
-    counts = {c: sum(p.category == c for p in prompts) for c in by_category if c != OVERALL}
-    counts[OVERALL] = len(prompts)
-    parts = [f"### {category} ({counts[category]} prompts)\n\n{markdown_table(rows)}" for category, rows in
-             by_category.items()]  # fmt: skip
-    parts.append("### speedup by category\n\n" + speedup_table(by_category))
-    return "\n\n".join(parts)
-
-
-def speedup_table(by_category: dict[str, list[dict]]) -> str:
-    """Markdown: a row per contender, its speedup in each category and overall."""
-    names = [row["contender"] for row in by_category[OVERALL]]
-    merged = [{"contender": name} for name in names]
-    for category, rows in by_category.items():
-        for row, summary in zip(merged, rows, strict=True):
-            row[category] = summary["speedup"]
-    columns = [("contender", "contender", "{}")] + [(category, category, "{:.2f}x") for category in by_category]
-    return markdown_table(merged, columns)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import Draft, Drafter, Processing
-from .state import DecodeState
+from ..engine.drafter import Draft, Drafter, Processing
+from ..engine.state import DecodeState
 
 
 class NGramDrafter(Drafter):

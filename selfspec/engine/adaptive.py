@@ -1,4 +1,4 @@
-"""Choosing gamma at run time from the speedup equation, so that a bad draft cannot slow generation down.
+"""The speedup equation, and choosing gamma at run time from it, so that a bad draft cannot slow generation down.
 
 With acceptance rate alpha, draft cost c (one draft token over one plain decoding step) and verify cost
 v (one pass over gamma+1 positions over one plain step), an iteration of gamma drafts gains
@@ -8,11 +8,14 @@ a running estimate of alpha from the acceptances it sees (recent iterations weig
 gamma with the largest predicted S, falls back to plain steps (gamma = 0) when no gamma beats 1, and
 probes with one draft now and then so that it notices when acceptance recovers.
 
-Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible.
+Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible. The same
+equation, with measured alphas and costs (`expected_tokens`, `best_gamma`), predicts what trained heads will gain
+(`selfspec.heads`, `selfspec tune`, `selfspec profile`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -68,6 +71,22 @@ def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: 
     return tokens / (verify_cost + gamma * draft_cost)
 
 
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens committed per iteration when draft i is accepted with probability alphas[i] once drafts
+    0..i-1 were: 1 + a_1 + a_1 a_2 + ... (the bonus or corrected token counts as the 1)."""
+    total, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        total += reach
+    return total
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float] = lambda gamma: 1.0):
+    """(gamma, S(gamma)) with the largest predicted speedup `predicted_speedup` for gamma = 1..max_gamma (a
+    speedup below 1 says that drafting at this depth cannot pay)."""
+    return max(((g, predicted_speedup(alpha, g, c, v(g))) for g in range(1, max_gamma + 1)), key=lambda x: x[1])
+
+
 @dataclass
 class DraftController:
     """Picks gamma for each iteration; `update` feeds it what the verifier accepted."""
@@ -104,7 +123,7 @@ class DraftController:
         r = 0 (memory-bound decoding) gives `verify_cost` at every batch size. r may depend on the batch size
         (measured per size by `selfspec tune`): where a device verifies a wide batch's positions almost for free,
         the r fitted at one row (per-pass overhead, mostly) would starve drafting there. Measured `verify_costs`
-        (`selfspec.verify_cost`) win over both: taken at the batch size the call started with, they overstate v a
+        (`selfspec.engine.verify_cost`) win over both: taken at the batch size the call started with, they overstate v a
         little once rows have finished, which errs towards drafting less."""
         if self.verify_costs is not None:
             return self.verify_costs[min(gamma, len(self.verify_costs) - 1)]

@@ -1,0 +1,361 @@
+"""Side-by-side speed: every contender (`selfspec.measure.contenders`) runs on the same prompts and token budget,
+interleaved run by run, and the summaries, overall and by Spec-Bench category.
+
+Runs interleave (prompt by prompt, the contenders' order rotating each repeat), so a machine that slows down or
+speeds up mid-way affects every contender alike; each figure is a median over runs, and each ratio compares figures
+from the same session. Greedy outputs are checked against `model.generate`'s (`selfspec.measure.ties`).
+
+For each selfspec contender the measured costs are put back into the speedup equation of docs/design.md:
+c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
+and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to the
+speedup realised.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..drafters.suffix import SuffixDrafter
+from ..engine.adaptive import predicted_speedup
+from ..engine.stats import sum_stats
+from ..speculative import SelfSpeculative
+from .contenders import Contender
+from .prompts import OVERALL, ChatPrompt, categories_of
+from .ties import TIE, compare_greedy
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class OwnAnswers:
+    """Keeps a drafter with a memory across calls (`SuffixDrafter`) from drafting a prompt's answer out of its own
+    earlier answers to that very prompt (the warm-up's, an earlier repeat's): before each run on a prompt, the
+    answers its earlier runs on it left in the memory are dropped. Answers to the other prompts stay."""
+
+    def __init__(self, contenders: list[Contender]):
+        self.memories = {id(c): [p.cache for p in c.spec.drafters if isinstance(p, SuffixDrafter)]
+                         for c in contenders if c.spec is not None}  # fmt: skip
+        self.left: dict[tuple[int, int], list[tuple]] = {}  # (contender, prompt) -> (memory, answer ids)
+
+    def forget(self, contender: Contender, index: int) -> None:
+        for memory, uid in self.left.pop((id(contender), index), []):
+            if uid in memory.sequences:
+                memory.drop(uid)
+
+    @contextmanager
+    def kept(self, contender: Contender, index: int):
+        """Note which answers the run inside this block left in each memory."""
+        memories = self.memories.get(id(contender), [])
+        before = [set(memory.sequences) for memory in memories]
+        yield
+        for memory, known in zip(memories, before, strict=True):
+            self.left.setdefault((id(contender), index), []).extend(
+                (memory, uid) for uid in set(memory.sequences) - known
+            )
+
+
+@torch.no_grad()
+def run_bench(
+    contenders: list[Contender],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    repeats: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """Run every contender on every prompt `repeats` times, interleaved; return one summary per contender."""
+    from tqdm.auto import tqdm
+
+    device = prompts[0].device
+    by_length = sorted(prompts, key=lambda prompt: prompt.shape[1])
+    answers = OwnAnswers(contenders)
+    for contender in contenders:  # warm-up: first-call allocations and lazy initialisation are not timed
+        # compiled: the longest call first (the largest cache), then another length: every graph
+        runs = [(by_length[-1], max_new_tokens), (by_length[0], max_new_tokens)] if contender.compiled else [
+            (prompts[0], min(8, max_new_tokens))]  # fmt: skip
+        for prompt, new_tokens in runs:
+            with answers.kept(contender, next(i for i, known in enumerate(prompts) if known is prompt)):
+                contender.run(prompt, new_tokens)
+    bar = tqdm(total=repeats * len(prompts) * len(contenders), desc="bench", disable=not progress, leave=False)
+    for repeat in range(repeats):
+        for index, prompt in enumerate(prompts):
+            reference = None
+            order = contenders[repeat % len(contenders) :] + contenders[: repeat % len(contenders)]
+            outputs = {}
+            for contender in order:
+                torch.manual_seed(seed + 1000 * repeat + index)
+                answers.forget(contender, index)
+                with answers.kept(contender, index):
+                    _synchronize(device)
+                    started = time.perf_counter()
+                    output = contender.run(prompt, max_new_tokens)
+                    _synchronize(device)
+                    contender.seconds.append(time.perf_counter() - started)
+                contender.tokens.append(output.shape[1] - prompt.shape[1])
+                contender.prompt_indices.append(index)
+                if contender.spec is not None:
+                    contender.stats.append(contender.spec.stats.to_dict())
+                outputs[contender.name] = output
+                if contender.baseline and not contender.sampling:  # the reference: kept to be shown
+                    contender.outputs.append(output)
+                bar.update(1)
+            reference = next(outputs[c.name] for c in contenders if c.baseline and not c.sampling)
+            model = next(c.model for c in contenders if c.baseline and not c.sampling)
+            for contender in contenders:
+                if contender.sampling:
+                    continue
+                output = outputs[contender.name]
+                verdict = (
+                    torch.equal(output, reference)
+                    if model is None
+                    else compare_greedy(model, prompt, reference, output)
+                )
+                contender.matched.append(verdict)
+    bar.close()
+    return summarize(contenders)
+
+
+def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, n_i] prompts -> left-padded ids [rows, width] and their attention mask."""
+    width = max(p.shape[1] for p in prompts)
+    ids = prompts[0].new_full((len(prompts), width), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def batch_throughput(
+    spec: SelfSpeculative, prompts: list[torch.Tensor], sizes: list[int], max_new_tokens: int, repeats: int = 1
+) -> list[dict]:
+    """Tokens/s of batched `model.generate` and of `spec` at each batch size (rows cycle through the prompts),
+    alternating run by run; tokens are generated positions summed over the rows."""
+    from tqdm.auto import tqdm
+
+    model, device = spec.model, prompts[0].device
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else 0
+    rows = []
+    for size in tqdm(sizes, desc="batch sizes", leave=False):
+        ids, mask = left_pad([prompts[i % len(prompts)] for i in range(size)], pad)
+        runs = {"generate": model.generate, "selfspec": spec.generate}
+        settings = {"attention_mask": mask, "max_new_tokens": max_new_tokens, "do_sample": False}
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        outputs, proposed, passes = {}, 0, 0
+        for repeat in range(repeats + 1):  # the first round warms up and is not counted
+            for name in list(runs)[:: 1 if repeat % 2 else -1]:
+                _synchronize(device)
+                started = time.perf_counter()
+                outputs[name] = runs[name](ids, **settings)
+                _synchronize(device)
+                if repeat:
+                    rates[name].append(size * (outputs[name].shape[1] - ids.shape[1]) / (time.perf_counter() - started))
+                    if name == "selfspec":
+                        proposed, passes = proposed + spec.stats.proposed, passes + spec.stats.row_passes
+        plain, fast = statistics.median(rates["generate"]), statistics.median(rates["selfspec"])
+        rows.append({
+            "batch_size": size,
+            "generate_tokens_per_s": plain,
+            "selfspec_tokens_per_s": fast,
+            "speedup": fast / plain,
+            "mean_gamma": proposed / passes if passes else 0.0,
+            "matched": torch.equal(outputs["generate"], outputs["selfspec"]),
+        })  # fmt: skip
+    return rows
+
+
+def batch_table(rows: list[dict]) -> str:
+    lines = [
+        "| batch size | generate tokens/s | selfspec tokens/s | speedup | mean gamma per row and pass | greedy match |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    for row in rows:
+        lines.append(
+            f"| {row['batch_size']} | {row['generate_tokens_per_s']:.1f} | {row['selfspec_tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['mean_gamma']:.2f} | {'yes' if row['matched'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _rate(contender: Contender) -> float:
+    return statistics.median(t / s for t, s in zip(contender.tokens, contender.seconds, strict=True))
+
+
+def summarize(contenders: list[Contender]) -> list[dict]:
+    """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
+    baselines = {c.sampling: _rate(c) for c in contenders if c.baseline}
+    compiled_generate = next((_rate(c) for c in contenders if c.compiled and c.spec is None), None)
+    steps = {}  # the plain loop's time per token, eager and compiled
+    for plain in (c for c in contenders if c.plain_loop and c.compiled not in steps):
+        steps[plain.compiled] = statistics.median(s / t for t, s in zip(plain.tokens, plain.seconds, strict=True))
+    rows = []
+    for contender in contenders:
+        rate, step = _rate(contender), steps.get(contender.compiled)
+        row = {
+            "contender": contender.name,
+            "sampling": contender.sampling,
+            "tokens_per_s": rate,
+            "speedup": rate / baselines.get(contender.sampling, baselines[False]),
+            "vs_compiled_generate": rate / compiled_generate if compiled_generate and not contender.sampling else None,
+            "matched": match_summary(contender.matched),
+            "ties": sum(verdict == TIE for verdict in contender.matched),
+            "runs": len(contender.seconds),
+        }
+        if contender.spec is not None:
+            row.update(added_memory(contender.spec))
+        if contender.stats:
+            row.update(_acceptance(contender, step))
+        rows.append(row)
+    return rows
+
+
+def match_summary(verdicts: list) -> bool | str | None:
+    """Over a contender's greedy runs: True if all were identical to model.generate, False if any differed
+    other than at a tie, else `TIE` (see `selfspec.measure.ties`); None for sampling contenders."""
+    if not verdicts:
+        return None
+    if any(verdict is False for verdict in verdicts):
+        return False
+    return True if all(verdict is True for verdict in verdicts) else TIE
+
+
+def _bytes(tensors) -> int:
+    unique = {t.data_ptr(): t for t in tensors}  # tied or shared tensors count once
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def added_memory(spec: SelfSpeculative) -> dict:
+    """What drafting adds to the model's memory: the heads' weights and any draft copy of LM-head rows
+    (reduced vocabulary, int8), in MB and as a share of the model's parameter bytes."""
+    tensors = [*spec.heads.parameters(), *spec.heads.buffers()] if spec.heads is not None else []
+    for drafter in spec.drafters:
+        vocab = getattr(drafter, "vocab", None)
+        if vocab is not None:
+            tensors += [t for t in (vocab.ids, vocab.weight, vocab.bias, vocab.scales) if t is not None]
+    added = _bytes(tensors)
+    return {"heads_mb": added / 2**20, "heads_share": added / _bytes(spec.model.parameters())}
+
+
+def _acceptance(contender: Contender, step: float | None) -> dict:
+    """Acceptance and costs over all runs of one selfspec contender, and the equation's prediction."""
+    total = sum_stats(contender.stats)
+    alphas = [s["alpha"] for s in contender.stats if s["alpha"] == s["alpha"]]  # NaN when nothing was drafted
+    out = {
+        "alpha_hat": total["accepted"] / total["proposed"] if total["proposed"] else None,
+        "alpha": statistics.fmean(alphas) if alphas else None,
+        "tokens_per_pass": total["new_tokens"] / total["row_passes"],
+        "gamma": total["proposed"] / total["iterations"] if total["iterations"] else 0.0,
+    }
+    if step and total["iterations"]:
+        passes = total["iterations"]
+        out["c"] = total["draft_seconds"] / total["proposed"] / step if total["proposed"] else None
+        out["v"] = total["verify_seconds"] / passes / step
+        if out["alpha"] is not None and not contender.tree:
+            gamma = max(1, round(out["gamma"]))
+            out["predicted_speedup"] = predicted_speedup(out["alpha"], gamma, out["c"], out["v"])
+        out["plain_loop_speedup"] = step * total["new_tokens"] / sum(contender.seconds)
+    return out
+
+
+COLUMNS = [
+    ("contender", "contender", "{}"),
+    ("tokens_per_s", "tokens/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("vs_compiled_generate", "vs generate compiled", "{:.2f}x"),
+    ("matched", "greedy match", "{}"),
+    ("alpha_hat", "alpha_hat", "{:.3f}"),
+    ("alpha", "alpha", "{:.3f}"),
+    ("tokens_per_pass", "tokens/pass", "{:.2f}"),
+    ("gamma", "mean gamma", "{:.2f}"),
+    ("c", "c", "{:.3f}"),
+    ("v", "v", "{:.2f}"),
+    ("predicted_speedup", "predicted", "{:.2f}x"),
+    ("plain_loop_speedup", "realised vs plain loop", "{:.2f}x"),
+    ("heads_mb", "heads MB", "{:.1f}"),
+    ("heads_share", "heads / model", "{:.1%}"),
+]
+
+
+def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
+    """The summaries as a Markdown table ('-' where a figure does not apply; no column where none does)."""
+    columns = [column for column in columns if column[0] == "contender" or any(row.get(column[0]) is not None
+                                                                               for row in rows)]  # fmt: skip
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        if key == "matched":
+            return {True: "yes", False: "NO"}.get(value, f"tie ({row['ties']})")
+        return fmt.format(value)
+
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    lines += ["| " + " | ".join(cell(row, key, fmt) for key, _, fmt in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: list[dict], path: str | Path, title: str) -> None:
+    """PNG: horizontal bars of the realised speedup per contender, the predicted one as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = [row["contender"] for row in rows][::-1]
+    figure, axes = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
+    axes.barh(names, [row["speedup"] for row in rows][::-1], color="tab:blue", label="realised")
+    predicted = [(i, row["predicted_speedup"]) for i, row in enumerate(rows[::-1]) if row.get("predicted_speedup")]
+    if predicted:
+        axes.plot([p for _, p in predicted], [i for i, _ in predicted], "k|", markersize=14, label="predicted")
+    axes.axvline(1.0, color="grey", linewidth=1)
+    axes.set_xlabel("speedup over model.generate (same sampling mode)")
+    axes.set_title(title)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_json(rows: list[dict], path: str | Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n", encoding="utf-8")
+
+
+def summarize_by_category(contenders: list[Contender], prompts: list[ChatPrompt]) -> dict[str, list[dict]]:
+    """`summarize` over each category's prompts alone, then over all of them (`overall`)."""
+    by_category = {}
+    for category in categories_of(prompts):
+        indices = {i for i, prompt in enumerate(prompts) if prompt.category == category}
+        by_category[category] = summarize([contender.runs_on(indices) for contender in contenders])
+    by_category[OVERALL] = summarize(contenders)
+    return by_category
+
+
+def category_report(by_category: dict[str, list[dict]], prompts: list[ChatPrompt]) -> str:
+    """Markdown: one table per category and overall, then the speedups side by side."""
+    counts = {c: sum(p.category == c for p in prompts) for c in by_category if c != OVERALL}
+    counts[OVERALL] = len(prompts)
+    parts = [f"### {category} ({counts[category]} prompts)\n\n{markdown_table(rows)}" for category, rows in
+             by_category.items()]  # fmt: skip
+    parts.append("### speedup by category\n\n" + speedup_table(by_category))
+    return "\n\n".join(parts)
+
+
+def speedup_table(by_category: dict[str, list[dict]]) -> str:
+    """Markdown: a row per contender, its speedup in each category and overall."""
+    names = [row["contender"] for row in by_category[OVERALL]]
+    merged = [{"contender": name} for name in names]
+    for category, rows in by_category.items():
+        for row, summary in zip(merged, rows, strict=True):
+            row[category] = summary["speedup"]
+    columns = [("contender", "contender", "{}")] + [(category, category, "{:.2f}x") for category in by_category]
+    return markdown_table(merged, columns)

@@ -1,0 +1,221 @@
+"""The contenders of a benchmark: plain `model.generate` (greedy and sampling), transformers' own assisted modes (its
+early exit, prompt lookup) and selfspec's modes (the plain loop with gamma = 0, early exit with the untrained and the
+trained exit, Medusa chain and tree, EAGLE, n-gram lookup and hybrids, compiled or not), each a `Contender` that
+`selfspec.measure.bench.run_bench` times."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ..adapter.static import compiled_generate_options
+from ..heads import EagleHeads, ExitHeads, MedusaHeads
+from ..speculative import SelfSpeculative
+
+# A small candidate tree for Medusa heads that carry none: two candidates for the next token, then chains.
+DEFAULT_TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def cut_tree(tree: list[list[int]], depth: int) -> list[list[int]]:
+    """The paths of `tree` no deeper than `depth` (the number of Medusa heads)."""
+    return [path for path in tree if len(path) <= depth]
+
+
+def tree_for(heads: MedusaHeads) -> list[list[int]]:
+    """The heads' own tree, else DEFAULT_TREE cut to their depth."""
+    return heads.tree or cut_tree(DEFAULT_TREE, heads.num_heads)
+
+
+@dataclass
+class Contender:
+    """One way of generating. `run(input_ids, max_new_tokens)` returns the output ids; `spec` is the
+    SelfSpeculative behind it (its `stats` describe the last run), None for transformers' own modes."""
+
+    name: str
+    sampling: bool
+    run: Callable[[torch.Tensor, int], torch.Tensor]
+    spec: SelfSpeculative | None = None
+    baseline: bool = False  # plain model.generate: what the speedups are relative to
+    model: nn.Module | None = None  # a baseline's model: where a greedy divergence is checked for a tie
+    plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v (of the compiled ones, if `compiled`)
+    tree: bool = False
+    compiled: bool = False  # torch.compile'd passes: compared with the compiled model.generate too
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    matched: list[bool] = field(default_factory=list)
+    prompt_indices: list[int] = field(default_factory=list)  # the prompt of each timed run
+    outputs: list[torch.Tensor] = field(default_factory=list)  # a greedy baseline's output ids of each timed run
+
+    def runs_on(self, prompts: set[int]) -> Contender:
+        """A copy holding only the runs on the prompts with these indices (for per-category summaries)."""
+        keep = [i for i, index in enumerate(self.prompt_indices) if index in prompts]
+
+        def pick(values: list) -> list:  # per-run lists; empty where they do not apply (stats, matched, outputs)
+            return [values[i] for i in keep] if values else []
+
+        return replace(self, seconds=pick(self.seconds), tokens=pick(self.tokens), stats=pick(self.stats),
+                       matched=pick(self.matched), prompt_indices=pick(self.prompt_indices),
+                       outputs=pick(self.outputs))  # fmt: skip
+
+
+def generate_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
+    """`model.generate` itself, with transformers' own options (assistant_early_exit, prompt lookup ...)."""
+    settings = {"do_sample": True, "temperature": temperature, "top_k": 0} if sampling else {"do_sample": False}
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        mask = torch.ones_like(input_ids)
+        return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings, **options)
+
+    return Contender(name, sampling, run, baseline=not options, model=model)
+
+
+def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature: float, **options) -> Contender:
+    """selfspec with `SelfSpeculative(model, **options)`."""
+    spec = SelfSpeculative(model, **options)
+    settings = {"do_sample": True, "temperature": temperature, "top_k": 0} if sampling else {"do_sample": False}
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        mask = torch.ones_like(input_ids)
+        return spec.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings)
+
+    plain = options.get("num_draft_tokens") == 0
+    tree = spec.drafter.tree is not None
+    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree, compiled=spec.compiled)
+
+
+def compiled_contenders(
+    model: nn.Module,
+    medusa_heads: MedusaHeads | None = None,
+    eagle_heads: EagleHeads | None = None,
+    draft_vocab: list[int] | None = None,
+    prompt_lookup_num_tokens: int = 10,
+) -> list[Contender]:
+    """Greedy, compiled: `model.generate` with transformers' static cache and torch.compile (the fair baseline for
+    a compiled selfspec), then selfspec with compile=True: the plain loop (the unit of c and v of the compiled
+    contenders), n-gram lookup, the Medusa chain and the EAGLE chain (with `draft_vocab`), and each one's hybrid with
+    n-gram lookup."""
+    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    field_ = [replace(generate_contender(model, "generate compiled", False, 1.0, **compiled_generate_options()),
+                      compiled=True)]  # fmt: skip
+    options = [("plain loop", {"num_draft_tokens": 0}),
+               ("ngram", {"drafter": "ngram", "prompt_lookup_num_tokens": prompt_lookup_num_tokens})]  # fmt: skip
+    hybrid = {"drafter": "hybrid", "prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+    for kind, heads, extra in (("medusa chain", medusa_heads, {"tree": []}), ("eagle", eagle_heads, {})):
+        if heads is not None:
+            settings = {"heads": heads, "draft_vocab": draft_vocab, **extra}
+            options += [(f"{kind}{suffix}", settings), (f"hybrid ngram + {kind}{suffix}", {**settings, **hybrid})]
+    for name, settings in options:
+        field_.append(selfspec_contender(model, f"selfspec {name} compiled", False, 1.0, compile=True, **settings))
+    return field_
+
+
+def standard_contenders(
+    model: nn.Module,
+    exit_heads: ExitHeads | None = None,
+    medusa_heads: MedusaHeads | None = None,
+    assistant_exit_layers: list[int] | None = None,
+    temperature: float = 0.8,
+    sampling: bool = True,
+    transformers_modes: bool = True,
+    draft_vocab: list[int] | None = None,
+    untrained_exit_layer: int | None = None,
+    prompt_lookup_num_tokens: int = 10,
+    eagle_heads: EagleHeads | None = None,
+) -> list[Contender]:
+    """The full field: plain generate, transformers' assisted modes, and every selfspec mode the heads allow:
+    the untrained exit at the heads' first depth, each trained depth, Medusa chain and tree, sampling; with a
+    `draft_vocab`, the Medusa modes and the middle trained depth once more with reduced-vocabulary drafts; the
+    Medusa chain and the middle trained depth once more with an int8 draft LM head; n-gram lookup alone
+    (transformers' prompt lookup settings) and hybrid with each kind of heads; an EAGLE head's chain (with the
+    `draft_vocab` too), its hybrid with lookup and its sampling."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    exit_layer = exit_heads.exit_layers[0] if exit_heads is not None else max(1, num_layers // 4)
+    exit_layer = untrained_exit_layer or exit_layer
+    field_ = [generate_contender(model, "generate", False, temperature)]
+    if sampling:
+        field_.append(generate_contender(model, f"generate T={temperature}", True, temperature))
+    if transformers_modes:
+        for layer in assistant_exit_layers or sorted({max(1, num_layers // 4), max(1, num_layers // 2)}):
+            field_.append(generate_contender(model, f"transformers early exit {layer}", False, temperature,
+                                             assistant_early_exit=layer))  # fmt: skip
+        field_.append(generate_contender(model, "transformers prompt lookup", False, temperature,
+                                         prompt_lookup_num_tokens=10))  # fmt: skip
+    field_.append(selfspec_contender(model, "selfspec plain loop", False, temperature, num_draft_tokens=0))
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}  # transformers' prompt lookup settings
+    field_.append(selfspec_contender(model, "selfspec ngram", False, temperature, drafter="ngram", **lookup))
+    # with its memory of the other prompts' answers (`run_bench` keeps a prompt's own earlier answers out of it)
+    field_.append(selfspec_contender(model, "selfspec suffix", False, temperature, drafter="suffix"))
+    if exit_heads is not None:
+        field_.append(selfspec_contender(model, "selfspec hybrid ngram + exit trained", False, temperature,
+                                         drafter="hybrid", heads=exit_heads, **lookup))  # fmt: skip
+    if medusa_heads is not None:
+        field_.append(selfspec_contender(model, "selfspec hybrid ngram + medusa chain", False, temperature,
+                                         drafter="hybrid", heads=medusa_heads, tree=[], **lookup))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} untrained", False, temperature,
+                                     exit_layer=exit_layer))  # fmt: skip
+    if exit_heads is not None:
+        for layer in exit_heads.exit_layers:
+            field_.append(selfspec_contender(model, f"selfspec exit {layer} trained", False, temperature,
+                                             heads=exit_heads, exit_layer=layer))  # fmt: skip
+        if draft_vocab is not None:
+            layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+            field_.append(selfspec_contender(model, f"selfspec exit {layer} trained, vocab {len(draft_vocab)}", False,
+                                             temperature, heads=exit_heads, exit_layer=layer,
+                                             draft_vocab=draft_vocab))  # fmt: skip
+        layer = exit_heads.exit_layers[len(exit_heads.exit_layers) // 2]
+        field_.append(selfspec_contender(model, f"selfspec exit {layer} trained, int8 head", False, temperature,
+                                         heads=exit_heads, exit_layer=layer, draft_quant="int8"))  # fmt: skip
+    if medusa_heads is not None:
+        tree = tree_for(medusa_heads)
+        field_.append(selfspec_contender(model, "selfspec medusa chain", False, temperature,
+                                         heads=medusa_heads, tree=[]))  # fmt: skip
+        field_.append(selfspec_contender(model, "selfspec medusa tree", False, temperature,
+                                         heads=medusa_heads, tree=tree))  # fmt: skip
+        if draft_vocab is not None:
+            size = len(draft_vocab)
+            field_.append(selfspec_contender(model, f"selfspec medusa chain, vocab {size}", False, temperature,
+                                             heads=medusa_heads, tree=[], draft_vocab=draft_vocab))  # fmt: skip
+            field_.append(selfspec_contender(model, f"selfspec medusa tree, vocab {size}", False, temperature,
+                                             heads=medusa_heads, tree=tree, draft_vocab=draft_vocab))  # fmt: skip
+        field_.append(selfspec_contender(model, "selfspec medusa chain, int8 head", False, temperature,
+                                         heads=medusa_heads, tree=[], draft_quant="int8"))  # fmt: skip
+        if draft_vocab is not None:
+            field_.append(selfspec_contender(model, f"selfspec medusa chain, vocab {size}, int8 head", False,
+                                             temperature, heads=medusa_heads, tree=[], draft_vocab=draft_vocab,
+                                             draft_quant="int8"))  # fmt: skip
+        if sampling:
+            suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+            field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}{suffix}", True,
+                                             temperature, heads=medusa_heads, tree=[],
+                                             draft_vocab=draft_vocab))  # fmt: skip
+    elif sampling:
+        field_.append(selfspec_contender(model, f"selfspec exit {exit_layer} T={temperature}", True, temperature,
+                                         heads=exit_heads, exit_layer=exit_layer))  # fmt: skip
+    if eagle_heads is not None:
+        field_ += eagle_contenders(model, eagle_heads, draft_vocab, temperature if sampling else None, lookup)
+    return field_
+
+
+EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 4}  # a small dynamic tree: a CPU verifies few positions for free
+
+
+def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
+    """An EAGLE head's chain (and with `draft_vocab`), a small dynamic tree, its hybrid with n-gram lookup, and its
+    sampling at `temperature` (None: greedy only); chains with adaptive gamma up to the heads' default."""
+    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    field_ = [selfspec_contender(model, "selfspec eagle", False, 1.0, heads=heads)]
+    if draft_vocab is not None:
+        field_.append(selfspec_contender(model, f"selfspec eagle{suffix}", False, 1.0, heads=heads,
+                                         draft_vocab=draft_vocab))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec eagle tree{suffix}", False, 1.0, heads=heads,
+                                     draft_vocab=draft_vocab, tree=EAGLE_TREE))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle{suffix}", False, 1.0, drafter="hybrid",
+                                     heads=heads, draft_vocab=draft_vocab, **lookup))  # fmt: skip
+    if temperature is not None:
+        field_.append(selfspec_contender(model, f"selfspec eagle T={temperature}{suffix}", True, temperature,
+                                         heads=heads, draft_vocab=draft_vocab))  # fmt: skip
+    return field_
