@@ -41,6 +41,7 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         "transformers prompt lookup",
         "selfspec plain loop",
         "selfspec ngram",
+        "selfspec suffix",
         "selfspec hybrid ngram + exit trained",
         "selfspec hybrid ngram + medusa chain",
         "selfspec exit 1 untrained",

@@ -4,6 +4,8 @@ the wrapper never branches on the kind."""
 
 from __future__ import annotations
 
+import warnings
+
 from ..adapter import DraftVocabulary, ModelAdapter
 from ..engine.drafter import Drafter
 from ..heads import DraftHeads, EagleHeads, ExitHeads, MedusaHeads
@@ -38,6 +40,13 @@ def build_drafters(
     ValueError for settings that do not apply to the chosen drafters."""
     model_options = {"heads": heads, "exit_layer": exit_layer, "tree": tree, "draft_vocab / draft_quant": vocab}
     given = [name for name, value in model_options.items() if value is not None]
+    if drafter == "hybrid" and heads is None and exit_layer is None:
+        warnings.warn(
+            "drafter='hybrid' without heads: drafting with n-gram lookup alone (an untrained exit is rarely accepted "
+            "and would slow generation down). Pass heads=... for the hybrid, or exit_layer=... for the untrained exit.",
+            stacklevel=3,
+        )
+        drafter = "ngram"
     if drafter is None or isinstance(drafter, str | Drafter):
         names = {None: [HEADS], "hybrid": ["ngram", HEADS]}.get(drafter, [drafter])
     else:

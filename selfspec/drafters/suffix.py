@@ -39,8 +39,10 @@ class SuffixIndex:
 
     def __init__(self):
         self.sequences: OrderedDict[int, array] = OrderedDict()  # id -> tokens; least recently used first
-        self._pairs: dict[tuple[int, int], list[int]] = {}  # (a, b) -> entries: id << 32 | where the token after is
-        self._singles: dict[int, list[int]] = {}  # a -> entries, the same way
+        # the pair a, b (as the key a << 32 | b), or the token a -> where they occurred: int64 entries, each
+        # id << 32 | the index of the token after them
+        self._pairs: dict[int, array] = {}
+        self._singles: dict[int, array] = {}
         self._next_id = 0
         self.tokens = 0  # live tokens
         self._dead = 0  # index entries of dropped sequences not purged yet
@@ -60,8 +62,8 @@ class SuffixIndex:
         for token in tokens:
             end = len(sequence)
             if end >= 1:
-                self._pairs.setdefault((sequence[end - 1], token), []).append(uid << 32 | end + 1)
-            self._singles.setdefault(token, []).append(uid << 32 | end + 1)
+                self._pairs.setdefault(sequence[end - 1] << 32 | token, array("q")).append(uid << 32 | end + 1)
+            self._singles.setdefault(token, array("q")).append(uid << 32 | end + 1)
             sequence.append(token)
         self.tokens += len(tokens)
 
@@ -85,16 +87,13 @@ class SuffixIndex:
         size = sum(sys.getsizeof(sequence) for sequence in self.sequences.values())
         for table in (self._pairs, self._singles):
             size += sys.getsizeof(table)
-            # an entry: its slot in the list and the int object it points to
-            size += sum(
-                sys.getsizeof(key) + sys.getsizeof(entries) + 32 * len(entries) for key, entries in table.items()
-            )
+            size += sum(sys.getsizeof(key) + sys.getsizeof(entries) for key, entries in table.items())
         return size
 
     def _purge(self) -> None:
         for table in (self._pairs, self._singles):
             for key in list(table):
-                live = [entry for entry in table[key] if entry >> 32 in self.sequences]
+                live = array("q", (entry for entry in table[key] if entry >> 32 in self.sequences))
                 if live:
                     table[key] = live
                 else:
@@ -105,8 +104,9 @@ class SuffixIndex:
         """The longest suffix of `context` (at most `max_match` tokens) that occurred in these sequences with a
         token after it, and its most recent occurrences (at most `max_candidates`) as (sequence, where the token
         after it is, id). (0, []) when not even the last token occurred with a successor."""
-        if len(context) >= 2 and (context[-2], context[-1]) in self._pairs:
-            entries, known = self._pairs[(context[-2], context[-1])], 2
+        pair = context[-2] << 32 | context[-1] if len(context) >= 2 else None
+        if pair in self._pairs:
+            entries, known = self._pairs[pair], 2
         elif context and context[-1] in self._singles:
             entries, known = self._singles[context[-1]], 1
         else:
@@ -238,7 +238,7 @@ class SuffixDrafter(Drafter):
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_cached_requests: int = 10_000,
-        max_cached_tokens: int = 1_000_000,
+        max_cached_tokens: int = 200_000,
         max_match_length: int = 24,
         max_candidates: int = 64,
         tree_nodes: int | None = None,

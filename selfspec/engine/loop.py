@@ -64,10 +64,15 @@ class DecodingLoop:
                 "The prompt must be a non-empty [batch, length] tensor of token ids; "
                 f"got shape {tuple(input_ids.shape)}."
             )
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(
+                f"The prompt's token ids must be integers; got a tensor of dtype {input_ids.dtype}. Pass the ids the "
+                "tokenizer returned (or .long() them)."
+            )
         input_ids = input_ids.to(self.adapter.device)
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
         if input_ids.shape[0] > 1:
-            self._check_batch(setup)
+            self._check_batch(setup, input_ids)
         max_positions = self.adapter.max_positions
         if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
             raise ValueError(
@@ -215,7 +220,17 @@ class DecodingLoop:
         ]
         return min(spans, default=call.remaining + 1)
 
-    def _check_batch(self, setup: GenerationSetup) -> None:
+    def _check_batch(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
+        """A batch: what runs one prompt at a time is refused, and a batch without `attention_mask` is taken as
+        unpadded only where no row starts with the pad token (else its padding would be read as text)."""
+        pad = setup.pad_token_id
+        if setup.attention_mask is None and pad is not None and bool((input_ids[:, 0] == pad).any()):
+            rows = (input_ids[:, 0] == pad).nonzero()[:, 0].tolist()
+            raise ValueError(
+                f"A batch of {input_ids.shape[0]} prompts without attention_mask, and row(s) {rows} start with the pad "
+                f"token {pad}: left padding would be read as text. Pass the attention_mask the tokenizer returned "
+                "(spec.generate(**tokenizer(prompts, padding=True, return_tensors='pt'), ...), padding_side='left')."
+            )
         if setup.streamer is not None:
             raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
         if setup.config.output_scores or setup.config.output_logits:

@@ -51,6 +51,12 @@ def load_heads(path: str | os.PathLike, adapter: ModelAdapter) -> DraftHeads:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HeadsMismatchError(f"Heads config {path / CONFIG_NAME} is not valid JSON: {error}") from error
     kind = KINDS.get(config.get("kind"))
+    if kind is None and "kind" not in config and "model_type" in config:  # a model's config.json, not heads'
+        raise HeadsMismatchError(
+            f"{path} is a model folder (model_type {config['model_type']!r}), not a heads folder: pass it as the model "
+            "(from_pretrained / --model), and as heads= a folder that `training/train_heads.py` wrote (its config.json "
+            f"has a 'kind', one of {sorted(KINDS)})."
+        )
     if kind is None:
         raise HeadsMismatchError(
             f"Heads at {path} are of kind {config.get('kind')!r}; expected one of {sorted(KINDS)}."
