@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -80,6 +81,9 @@ def test_exit_heads_round_trip_and_stay_exact(model, tmp_path):
     heads = trained_looking_heads(model)
     heads.save_pretrained(tmp_path / "heads")
     assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "heads").stat().st_mode & 0o777 == 0o777 & ~umask  # like any folder (0755), not private
     loaded = SelfSpeculative(model, heads=tmp_path / "heads")
     assert loaded.exit_layer == 2 and loaded.num_draft_tokens == 3
     for name, tensor in heads.state_dict().items():

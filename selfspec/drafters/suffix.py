@@ -131,13 +131,14 @@ class SuffixIndex:
         return best, found
 
 
-@dataclass
-class Continuation:
-    """A drafted chain: its tokens, its estimated probability, and the most tokens its match allowed."""
-
-    tokens: list[int]
-    probability: float
-    depth: int
+def token_after(occurrence: tuple, step: int, period_of=None) -> int | None:
+    """The token `step` places into an occurrence's continuation (sequence, where it starts, id): past the end of
+    the sequence, with the period `period_of(occurrence)` where that is given and not None, else None."""
+    sequence, after = occurrence[0], occurrence[1]
+    if after + step < len(sequence):
+        return sequence[after + step]
+    period = period_of(occurrence) if period_of is not None else None
+    return sequence[after + step % period] if period else None
 
 
 def best_continuation(
@@ -151,14 +152,9 @@ def best_continuation(
     for step in range(depth):
         counts: dict[int, list] = {}
         for occurrence in alive:
-            sequence, after = occurrence[0], occurrence[1]
-            index = after + step
-            period = period_of(occurrence) if period_of is not None else None
-            if index >= len(sequence):
-                if not period:
-                    continue
-                index = after + step % period
-            counts.setdefault(sequence[index], []).append(occurrence)
+            token = token_after(occurrence, step, period_of)
+            if token is not None:
+                counts.setdefault(token, []).append(occurrence)
         if not counts:
             break
         token, followers = max(counts.items(), key=lambda item: len(item[1]))
@@ -181,14 +177,9 @@ def continuation_tree(occurrences: list[tuple], depth: int, nodes: int, min_toke
         below = {}
         for tokens, alive in level.items():
             for occurrence in alive:
-                sequence, after = occurrence[0], occurrence[1]
-                index = after + step
-                period = period_of(occurrence) if period_of is not None else None
-                if index >= len(sequence):
-                    if not period:
-                        continue
-                    index = after + step % period
-                below.setdefault((*tokens, sequence[index]), []).append(occurrence)
+                token = token_after(occurrence, step, period_of)
+                if token is not None:
+                    below.setdefault((*tokens, token), []).append(occurrence)
         level = {path: alive for path, alive in below.items() if len(alive) / len(occurrences) >= min_token_prob}
         scored += [(-len(alive) / len(occurrences), step, path) for path, alive in level.items()]
     ranks = {}  # token path -> rank path: a node's rank among its kept siblings, most frequent first
@@ -267,7 +258,7 @@ class SuffixDrafter(Drafter):
         self.cache = SuffixIndex()  # earlier calls' answers, shared by every row and call
         self._texts: list[SuffixIndex] = []  # per row of the running call: its prompt and what it generated
         self._prompt_width = 0  # the call's prompt width (padding included): answers start there
-        self._drafts: list[Continuation | None] | None = None  # from `available`, for `draft`
+        self._drafts: list[list[int]] | None = None  # each row's chain from `available`, for `draft`
 
     @property
     def name(self) -> str:
@@ -312,17 +303,15 @@ class SuffixDrafter(Drafter):
     # ------------------------------------------------------------------ drafting
     def available(self, state: DecodeState) -> bool:
         self._drafts = self._continuations(state)
-        return any(draft is not None for draft in self._drafts)
+        return any(self._drafts)
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         drafts = self._drafts if self._drafts is not None else self._continuations(state)
         self._drafts = None
-        width = min(gamma, max((len(d.tokens) for d in drafts if d is not None), default=0))
+        width = min(gamma, max(map(len, drafts), default=0))
         pending = state.sequences[:, -1].tolist()
-        rows = []
-        for row, found in enumerate(drafts):  # rows without a proposal (or a shorter one) pad with filler
-            tokens = found.tokens[:width] if found is not None else []
-            rows.append(tokens + [pending[row]] * (width - len(tokens)))
+        # rows without a proposal, or with a shorter one, pad with filler (a point mass too: a wasted position)
+        rows = [tokens[:width] + [pending[row]] * (width - len(tokens[:width])) for row, tokens in enumerate(drafts)]
         return Draft.point_mass(torch.tensor(rows, dtype=torch.long, device=state.sequences.device).view(-1, width))
 
     def draft_tree(self, state: DecodeState):
@@ -356,15 +345,14 @@ class SuffixDrafter(Drafter):
         depth = min(self.max_drafts, max(1, int(self.max_spec_factor * length))) if length else 0
         return occurrences, depth, lambda o: len(own) - o[1] if o[0] is own else None
 
-    def _continuations(self, state: DecodeState) -> list[Continuation | None]:
-        """Each row's best chain now (None where nothing matched or nothing is likely enough)."""
+    def _continuations(self, state: DecodeState) -> list[list[int]]:
+        """Each row's best chain now (empty where nothing matched or nothing is likely enough)."""
         self._sync(state)
-        found = []
+        chains = []
         for row in range(len(self._texts)):
             occurrences, depth, period_of = self._match(row)
-            tokens, probability = best_continuation(occurrences, depth, self.min_token_prob, period_of)
-            found.append(Continuation(tokens, probability, depth) if tokens else None)
-        return found
+            chains.append(best_continuation(occurrences, depth, self.min_token_prob, period_of)[0])
+        return chains
 
     def _sync(self, state: DecodeState) -> None:
         """Bring each row's text up to the committed tokens (one host read of the new ones)."""

@@ -183,6 +183,7 @@ def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], car
     a crash leaves the old folder or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private (0700); a heads folder is made like any other
     (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
     (staging / CARD_NAME).write_text(card)
@@ -198,3 +199,10 @@ def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], car
 def on_target(hidden: torch.Tensor, adapter: ModelAdapter) -> torch.Tensor:
     """A head's output on the target's device and dtype, for the target's own norm and LM head."""
     return hidden.to(device=adapter.device, dtype=adapter.dtype)
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it, and set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
