@@ -224,7 +224,9 @@ class DecodingLoop:
         """A batch: what runs one prompt at a time is refused, and a batch without `attention_mask` is taken as
         unpadded only where no row starts with the pad token (else its padding would be read as text)."""
         pad = setup.pad_token_id
-        if setup.attention_mask is None and pad is not None and bool((input_ids[:, 0] == pad).any()):
+        bos = setup.config.bos_token_id  # a pad token that is also the BOS token tells nothing: every row starts so
+        padded = pad is not None and pad != bos and bool((input_ids[:, 0] == pad).any())
+        if setup.attention_mask is None and padded:
             rows = (input_ids[:, 0] == pad).nonzero()[:, 0].tolist()
             raise ValueError(
                 f"A batch of {input_ids.shape[0]} prompts without attention_mask, and row(s) {rows} start with the pad "
