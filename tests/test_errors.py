@@ -39,7 +39,7 @@ def test_a_model_folder_given_as_heads_is_named(tmp_path):
 def test_a_draft_vocabulary_of_another_target_is_named():
     model = tiny_model("llama")  # 96 tokens
     with pytest.raises(
-        ValueError, match=r"ids from 0 to 8191, and this model's vocabulary has ids 0 to 95: it was made"
+        ValueError, match=r"lists ids from 0 to 8191, and this model takes token ids from 0 to 95: it was made for"
     ):
         SelfSpeculative(model, exit_layer=2, draft_vocab=list(range(8192)))
 

@@ -43,11 +43,12 @@ class DraftVocabulary:
         else:
             ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted, no repeats
             if ids.numel() == 0:
-                raise ValueError("draft_vocab lists no token ids; pass at least one, or None for the whole vocabulary")
+                raise ValueError(f"draft_vocab must list token ids from 0 to {vocab_size - 1} (got none); None drafts "
+                                 "from the whole vocabulary")  # fmt: skip
             if ids[0] < 0 or ids[-1] >= vocab_size:
                 raise ValueError(
-                    f"draft_vocab lists token ids from {int(ids[0])} to {int(ids[-1])}, and this model's vocabulary "
-                    f"has ids 0 to {vocab_size - 1}: it was made for another target (make one for this model with "
+                    f"draft_vocab lists ids from {int(ids[0])} to {int(ids[-1])}, and this model takes token ids "
+                    f"from 0 to {vocab_size - 1}: it was made for another target (make one for this model with "
                     "selfspec.frequent_tokens or training/make_draft_vocab.py)"
                 )
         ids = ids.to(device)
