@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags (/proc/cpuinfo) of native bf16 matrix instructions
 ARM_BF16_FLAGS = ("bf16",)  # aarch64's BFloat16 extension (`Features` in /proc/cpuinfo)
@@ -36,6 +38,8 @@ def cpu_flags() -> frozenset[str]:
 
 def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
     """(whether `device` multiplies bfloat16 matrices natively, the reason in a few words)."""
+    import torch  # here, not at the top: the command line reads this module for --help
+
     device = torch.device(device)
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported()

@@ -25,8 +25,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the model, not with the command line's --help
+    import torch
 
 HEADS_ROOT = Path(__file__).resolve().parent.parent / "heads"  # bundled targets and heads (a clone of the repo)
 DEFAULT_TARGET = "demo"  # what bench, tune and profile run on without --model
@@ -117,6 +119,8 @@ def default_heads(name_or_path: str | Path) -> list[str]:
 
 def as_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     """A torch dtype, its name ("bfloat16") or "auto" -> what `from_pretrained(dtype=...)` takes."""
+    import torch
+
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     value = getattr(torch, str(dtype), None)

@@ -5,14 +5,18 @@ and the extra to install named when a command's package is missing."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from selfspec.cli import main as cli
 from selfspec.cli.main import build_parser, bundled_heldout, main
-from selfspec.cli.options import BUNDLED, BUNDLED_CONFIG
+from selfspec.cli.parsers import BUNDLED, BUNDLED_CONFIG
 from selfspec.training.config import TrainHeadsConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def help_text(command: str, capsys) -> str:
@@ -74,3 +78,17 @@ def test_a_missing_extra_is_named(monkeypatch):
     message = "selfspec demo needs matplotlib, which is in selfspec's [demo] extra: pip install -e '.[demo]'"
     with pytest.raises(SystemExit, match=re.escape(message)):
         main(["demo"])
+
+
+def test_the_command_line_answers_help_without_loading_torch():
+    """The parsers import neither torch nor transformers (`selfspec --help` answers at once); each subcommand's
+    help line is its description too."""
+    code = (
+        "import sys; import selfspec.cli.main as cli; parser = cli.build_parser(); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+    help_text = subprocess.run([sys.executable, "-m", "selfspec.cli.main", "demo", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "answer a few chat prompts with smollm2-135m-instruct" in help_text.split("options:")[0]

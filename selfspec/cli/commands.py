@@ -16,7 +16,7 @@ from ..measure.contenders import compiled_contenders, generate_contender, selfsp
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
-from .options import BUNDLED, HelpFormatter, add_model_arguments, check_plotting, encode, load_target
+from .options import BUNDLED, check_plotting, encode, load_target
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -127,50 +127,6 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     return 0
 
 
-def add_bench_parser(commands) -> None:
-    bench = commands.add_parser(
-        "bench", help="tokens/s of selfspec's modes against model.generate and its peers", formatter_class=HelpFormatter
-    )
-    add_model_arguments(bench, bundled=True)
-    bench.add_argument(
-        "--output",
-        default="runs/bench",
-        help="folder for bench.json, bench.md and bench.png (bench_batch.json and bench_batch.md with --batch_sizes)",
-    )
-    bench.add_argument("--num_prompts", type=int, help="prompts used (the first N; default: all)")
-    bench.add_argument(
-        "--limit_per_category",
-        type=int,
-        help="Spec-Bench prompts: the first N of each category (MT-bench's eight count as one), for a quick run",
-    )
-    bench.add_argument("--repeats", type=int, default=2, help="runs per prompt and contender (medians reported)")
-    bench.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling contenders")
-    bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
-    bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
-    bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
-    bench.add_argument("--untrained_exit_layer", type=int, help="depth of the untrained-exit contender")
-    bench.add_argument(
-        "--compile",
-        action="store_true",
-        help="also run compiled: model.generate with transformers' static cache and torch.compile, and selfspec's "
-        "chains with compile=True (each compiles on its first calls, untimed)",
-    )
-    bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
-    bench.add_argument(
-        "--workload",
-        choices=["prompts", "repeated"],
-        default="prompts",
-        help="prompts: the --prompts (Spec-Bench questions by category, or plain prompts); repeated: the same task "
-        "over many standard-library functions and two-turn revisions, after --warmup untimed calls per task "
-        "(selfspec.workload; needs a chat model), greedy",
-    )
-    bench.add_argument("--warmup", type=int, default=3, help="--workload repeated: untimed functions per task")
-    bench.add_argument(
-        "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
-    )
-
-
 def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab) -> int:
     """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
     from ..measure.bench import batch_table, batch_throughput
@@ -189,24 +145,6 @@ def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab)
     (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
     write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
     return 0 if all(row["matched"] for row in rows) else 1
-
-
-def add_tune_parser(commands) -> None:
-    tune = commands.add_parser(
-        "tune",
-        help="pick exit layer, gamma and tree from measured alpha, c and v; write them into the heads",
-        formatter_class=HelpFormatter,
-    )
-    add_model_arguments(tune, bundled=True)
-    tune.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
-    tune.add_argument("--max_gamma", type=int, default=8, help="largest gamma considered for early exit")
-    tune.add_argument("--do_sample", action="store_true", help="tune for sampling (default: greedy)")
-    tune.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions of c and v (median)")
-    tune.add_argument("--measure_grid", action="store_true", help="also time the candidates against model.generate")
-    tune.add_argument("--dry_run", action="store_true", help="print the choice without writing it into the heads")
-    tune.add_argument("--batch_sizes", default="1",
-                      help="batch sizes to fit the position cost r at, comma-separated (e.g. 1,4,16,64: those you "
-                      "generate with); one r per size, interpolated between them")  # fmt: skip
 
 
 def run_tune_command(args: argparse.Namespace) -> int:

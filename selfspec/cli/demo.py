@@ -25,8 +25,6 @@ from ..measure.contenders import Contender, eagle_contenders, generate_contender
 from ..measure.ties import TIE, TIE_STEPS
 from ..targets import DEMO_TARGET
 from .options import (
-    HelpFormatter,
-    add_model_arguments,
     check_plotting,
     default_dtype,
     encode,
@@ -208,15 +206,3 @@ def run_demo(args: argparse.Namespace) -> int:
         print("\n".join(failures), file=sys.stderr)
         return 1
     return 0
-
-
-def add_demo_parser(commands) -> None:
-    demo = commands.add_parser(
-        "demo",
-        help=f"answer a few chat prompts with {DEMO_TARGET}, plainly and with selfspec's best modes for it "
-        "(--model demo: held-out code prompts with the bundled toy target)",
-        formatter_class=HelpFormatter,
-    )
-    add_model_arguments(demo, bundled=True, demo=True)
-    demo.add_argument("--num_prompts", type=int, default=3, help="prompts to complete")
-    demo.add_argument("--output", default="runs/demo", help="folder for alpha_by_depth.png")

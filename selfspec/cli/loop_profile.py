@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .options import HelpFormatter, add_model_arguments, encode, load_target
+from .options import encode, load_target
+from .parsers import HelpFormatter, add_model_arguments
 
 ROOT = "iteration"
 DRAFT_SECTIONS = ("draft", "draft check", "choose drafter")

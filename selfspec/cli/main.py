@@ -6,61 +6,37 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import SUPPORTED_ARCHITECTURES, __version__
-from ..families import REFUSED_ARCHITECTURES, SUPPORT_RULE
-from ..targets import DEMO_TARGET
-from .commands import add_bench_parser, add_tune_parser, run_bench_command, run_tune_command
-from .demo import add_demo_parser, run_demo
-from .options import (
+from .. import __version__
+from ..families import REFUSED_ARCHITECTURES, SUPPORT_RULE, SUPPORTED_ARCHITECTURES
+from .parsers import (
     BUNDLED,
     BUNDLED_CONFIG,
-    TARGET_CHOICES,
-    THREADS_HELP,
-    HelpFormatter,
-    check_plotting,
-    load_cli_model,
-    set_threads,
-    target_path,
+    add_bench_parser,
+    add_command,
+    add_demo_parser,
+    add_export_parser,
+    add_profile_parser,
+    add_tune_parser,
 )
 
 
-def add_profile_parser(commands) -> None:
-    profile = commands.add_parser(
-        "profile",
-        help="held-out alpha per exit depth (untrained exit and trained heads), measured c, predicted speedup",
-        formatter_class=HelpFormatter,
-    )
-    profile.add_argument(
-        "--model",
-        help=f"the target: {TARGET_CHOICES} (default: the bundled toy target demo, {BUNDLED}; selfspec demo "
-        f"defaults to {DEMO_TARGET})",
-    )
-    profile.add_argument(
-        "--heads",
-        help="a trained heads folder for the model (default: the demo target's exit heads without --model and "
-        "--exit_layers, else none: the untrained exit only)",
-    )
-    profile.add_argument(
-        "--data",
-        help="held-out text: comma-separated file globs or a folder (default without --model: the demo target's "
-        "held-out files, as configs/train_heads_demo.yaml lists them)",
-    )
-    profile.add_argument("--exit_layers", help="without --heads: exit depths to profile, e.g. 2,4,6 (default spread)")
-    profile.add_argument("--text_field", default="text", help="jsonl / parquet text column")
-    profile.add_argument("--seq_len", type=int, default=256, help="tokens per evaluated row")
-    profile.add_argument("--max_rows", type=int, default=64, help="rows evaluated")
-    profile.add_argument("--batch_size", type=int, default=8, help="rows per forward")
-    profile.add_argument("--timing_context", type=int, default=64, help="cached tokens while timing one-token steps")
-    profile.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions (median)")
-    profile.add_argument("--max_gamma", type=int, default=8, help="largest gamma for the predicted speedup")
-    profile.add_argument("--measure_v", action="store_true", help="measure v(gamma) instead of assuming 1")
-    profile.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    profile.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP + " (and skew the timed c)")
-    profile.add_argument("--output", default="runs/profile", help="folder for alpha_by_depth.png")
-    profile.add_argument("--draft_vocab", help="a JSON file of token ids: also profile drafts from these rows only")
-    profile.add_argument("--draft_quant", choices=["int8"], help="also profile drafts through an int8 LM head")
-    profile.add_argument("--report_to", default="none", choices=["none", "wandb"], help="also log a W&B run")
-    profile.add_argument("--project", default="selfspec-profile", help="W&B project")
+# The commands, imported when they run (torch, transformers and the rest load then, not for --help)
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from .commands import run_bench_command
+
+    return run_bench_command(args)
+
+
+def run_tune_command(args: argparse.Namespace) -> int:
+    from .commands import run_tune_command
+
+    return run_tune_command(args)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -70,6 +46,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from ..training.config import DataConfig, EvalConfig
     from ..training.data import load_rows, row_tensor
+    from .options import check_plotting, load_cli_model, set_threads, target_path
 
     check_plotting()
     set_threads(args.num_threads)
@@ -121,31 +98,12 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_parser(commands) -> None:
-    export = commands.add_parser(
-        "export",
-        help="write an EAGLE heads folder as a vLLM / SGLang EAGLE draft checkpoint (Llama targets)",
-        formatter_class=HelpFormatter,
-    )
-    export.add_argument("--model", required=True, help=f"the target: {TARGET_CHOICES}")
-    export.add_argument("--heads", required=True, help="a trained EAGLE heads folder for the model")
-    export.add_argument("--format", required=True, choices=["eagle", "eagle3"], help="EAGLE-1 or EAGLE-3 checkpoint")
-    export.add_argument(
-        "--engine",
-        choices=["vllm", "sglang"],
-        help="the engine whose names and aux layer ids to write (required for eagle, and for eagle3 heads on "
-        "other layers than EAGLE's default)",
-    )
-    export.add_argument("--draft_vocab", help="eagle3: a JSON file of token ids the draft's LM head keeps")
-    export.add_argument("--dtype", default="auto", help="the weights' dtype: float32 | bfloat16 | float16 | auto")
-    export.add_argument("--output", required=True, help="the checkpoint folder to write")
-
-
 def run_export(args: argparse.Namespace) -> int:
     """`selfspec export`: load the model and its heads, write the checkpoint."""
     from ..adapter import ModelAdapter
     from ..export import export_eagle
     from ..heads import load_heads
+    from .options import load_cli_model
 
     model, _ = load_cli_model(args.model, args.dtype)
     try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
@@ -191,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(commands)
     add_bench_parser(commands)
     add_tune_parser(commands)
-    commands.add_parser("architectures", help="list the supported model types and the rule that decides them")
+    add_command(commands, "architectures", help="list the supported model types and the rule that decides them")
     add_profile_parser(commands)
     add_export_parser(commands)
     return parser

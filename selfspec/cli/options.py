@@ -12,29 +12,8 @@ from ..adapter import read_token_ids
 from ..hardware import speculation_dtype
 from ..heads import DraftHeads, load_heads
 from ..measure.prompts import ChatPrompt, read_prompts
-from ..targets import DEFAULT_TARGET, DEMO_TARGET, KNOWN_TARGETS, TargetError, default_heads, load_model, target_folder
-
-REPOSITORY = Path(__file__).resolve().parents[2]
-BUNDLED = KNOWN_TARGETS[DEFAULT_TARGET].folder  # heads/demo-target
-BUNDLED_CONFIG = REPOSITORY / "configs" / "train_heads_demo.yaml"  # lists the demo target's held-out files
-THREADS_HELP = (
-    "torch CPU threads; 0: torch's default (one per core). One by default: a small model at batch 1 gains little "
-    "from more, and on a busy machine threads that wait for a core slow every step down"
-)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where it has none or the help text already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-# targets that run in bfloat16 where the machine multiplies it natively (`selfspec.hardware`), in float32 elsewhere;
-# every other target runs in float32 unless --dtype says otherwise (the toy target's checks are token for token)
-HALF_PRECISION_TARGETS = {DEMO_TARGET}
+from ..targets import DEFAULT_TARGET, TargetError, default_heads, load_model, target_folder
+from .parsers import BUNDLED, HALF_PRECISION_TARGETS
 
 
 def default_dtype(model: str | None, device: str = "cpu") -> tuple[str, str]:
@@ -46,13 +25,13 @@ def default_dtype(model: str | None, device: str = "cpu") -> tuple[str, str]:
 
 
 def resolve_dtype(args: argparse.Namespace) -> None:
-    """Fill in --dtype where it was left out (`default_dtype`), and say which and why."""
+    """Fill in --device (cuda where torch sees one) and --dtype (`default_dtype`) where they were left out, and say
+    which dtype and why."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
         args.dtype, reason = default_dtype(args.model or DEFAULT_TARGET, args.device)
         print(f"dtype: {args.dtype} ({reason})", flush=True)
-
-
-TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
 
 
 def target_path(model: str | None) -> str | Path:
@@ -87,49 +66,6 @@ def set_threads(num_threads: int) -> None:
     """torch's intra-op threads for this process (0 leaves torch's default)."""
     if num_threads:
         torch.set_num_threads(num_threads)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bool = False) -> None:
-    """The target options. `bundled`: --model may be left out for the bundled toy target (bench, tune);
-    `demo`: for DEMO_TARGET instead. Without --dtype, `load_target` chooses one (`default_dtype`) and says why."""
-    if demo:
-        where = f" (default: {DEMO_TARGET}; demo: the bundled toy target, {BUNDLED})"
-    elif bundled:
-        where = f" (default: the bundled toy target demo, {BUNDLED}; selfspec demo defaults to {DEMO_TARGET})"
-    else:
-        where = ""
-    parser.add_argument(
-        "--model",
-        default=DEMO_TARGET if demo else None,
-        required=not (bundled or demo),
-        help=f"the target: {TARGET_CHOICES}{where}",
-    )
-    parser.add_argument(
-        "--heads",
-        action="append",
-        help="a trained heads folder for the model (exit, Medusa or EAGLE); repeat for several kinds",
-    )
-    parser.add_argument(
-        "--prompts",
-        help="prompts: a .json list or a .jsonl file, or Spec-Bench questions (.jsonl rows with category and turns: "
-        "the first turn through the chat template) (default: the model's prompts.jsonl or prompts.json)",
-    )
-    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument(
-        "--dtype",
-        help="float32 | bfloat16 | float16 | auto (default: for "
-        f"{', '.join(sorted(HALF_PRECISION_TARGETS))}, bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16, "
-        "amx_bf16) and float32 on other CPUs, where bf16 passes over several positions cost several steps and "
-        "speculation loses; float32 for other targets). In half precision the greedy check allows ties of the top-2 "
-        "scores (selfspec.measure.ties); in float32 it is token for token",
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
-    parser.add_argument(
-        "--draft_vocab",
-        help="a JSON file with a list of token ids for reduced-vocabulary drafts (default: the model's "
-        "draft_vocab.json if it has one; 'none' for full-vocabulary drafts only)",
-    )
 
 
 def load_target(args: argparse.Namespace, with_prompts: bool = True):
