@@ -11,7 +11,7 @@ from torch import nn
 
 from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .drafters.build import build_drafters
+from .drafters.build import MODEL_FREE, build_drafters
 from .engine.adaptive import check_position_cost
 from .engine.drafter import Drafter
 from .engine.loop import DecodingLoop
@@ -107,7 +107,10 @@ class SelfSpeculative(DecodingLoop):
             raise TypeError(f"compile={compile!r}: pass True, False or a dict of torch.compile options.")
         self.compiled = compile is not False
         options = compile if isinstance(compile, dict) else None
-        self.adapter = CompiledAdapter(model, options) if self.compiled else ModelAdapter(model)
+        # drafters by name that read no weights need only the whole model's forward: any causal LM with a KV cache
+        names = drafter if isinstance(drafter, list | tuple) else [drafter]
+        model_free = all(isinstance(name, str) and name in MODEL_FREE for name in names) and heads is None
+        self.adapter = CompiledAdapter(model, options) if self.compiled else ModelAdapter(model, whole_model=model_free)
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..families import MIXED_MASK_MODELS, SUPPORTED_ARCHITECTURES, unsupported_message
+from ..families import MIXED_MASK_MODELS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, unsupported_message
 from .vocab import DraftVocabulary
 
 FINAL = "final"  # among captured hidden states: the last one after the final norm (the LM head's input)
@@ -81,9 +81,13 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class ModelAdapter:
-    """Drives the decoder stack of a supported Hugging Face causal LM, layer range by layer range."""
+    """Drives the decoder stack of a supported Hugging Face causal LM, layer range by layer range.
 
-    def __init__(self, model: nn.Module):
+    `whole_model=True` is for drafters that read no weights (n-gram lookup, suffix drafting): they need the full
+    forward and a cache that can be cropped, so any causal LM whose cache layers are plain attention KV layers is
+    taken, of a supported family or not; the layer ranges, hidden states and LM-head rows are then unavailable."""
+
+    def __init__(self, model: nn.Module, whole_model: bool = False):
         self.model = unwrap_model(model)
         config = getattr(self.model, "config", None)
         if config is None:
@@ -94,14 +98,14 @@ class ModelAdapter:
                 f"{type(self.model).__name__} ({model_type}) is an encoder-decoder model; "
                 "selfspec needs a decoder-only causal LM."
             )
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if model_type not in SUPPORTED_ARCHITECTURES and (not whole_model or model_type in REFUSED_ARCHITECTURES):
             raise UnsupportedModelError(unsupported_message(model_type, type(self.model).__name__))
         if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
             )
-        family = SUPPORTED_ARCHITECTURES[model_type]
-        stack = getattr(self.model, family.stack, None)
+        family = SUPPORTED_ARCHITECTURES.get(model_type)
+        stack = getattr(self.model, family.stack, None) if family is not None else self.model.base_model
         if stack is None:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has no decoder stack `.{family.stack}`: "
@@ -109,11 +113,18 @@ class ModelAdapter:
             )
         self.config = config
         self.model_type = model_type
-        self.family, self.stack = family, stack
-        self.layers: nn.ModuleList = getattr(stack, family.layers)
-        self.final_norm: nn.Module = getattr(stack, family.norm)
         self.lm_head: nn.Module = self.model.get_output_embeddings()
-        self.num_layers = len(self.layers)
+        if family is None:  # the whole model only (`whole_model`): no layer ranges, no hidden states
+            self.layers = self.final_norm = None
+            text = config.get_text_config()
+            self.num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
+            family = Family("", "", "")
+        else:
+            self.layers: nn.ModuleList = getattr(stack, family.layers)
+            self.final_norm: nn.Module = getattr(stack, family.norm)
+            self.num_layers = len(self.layers)
+        self.whole_model_only = self.layers is None
+        self.family, self.stack = family, stack
         self.hidden_size = config.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.softcap = getattr(config, "final_logit_softcapping", None)
@@ -154,6 +165,13 @@ class ModelAdapter:
         as needed: `capacity`, the positions a call may write, is for caches allocated ahead (`CompiledAdapter`)."""
         cache = DynamicCache(config=self.config)
         cache.activate_past_recording()
+        if self.whole_model_only:  # a family not checked by selfspec's tests: its cache must roll back as ours do
+            odd = {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+            if odd:
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__}'s cache has {', '.join(sorted(odd))} layers, which cannot drop "
+                    "rejected drafts: selfspec drafts only where every cache layer is an attention KV layer."
+                )
         return cache
 
     @staticmethod

@@ -1,0 +1,73 @@
+"""Model-free drafters (n-gram lookup, suffix drafting) need only the model's forward and a cache that can be
+cropped, so they run on causal LMs whose families selfspec does not drive layer by layer: greedy output stays
+token-identical to `model.generate`, one prompt and a padded batch; a model whose cache cannot roll back, or heads
+on such a model, are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import padded_prompts, random_prompt
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from selfspec import SelfSpeculative, UnsupportedModelError
+
+UNSUPPORTED = {  # families outside selfspec.families, tiny
+    "phi": {},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    "falcon": {},
+    "gptj": {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4},
+}
+
+
+def unsupported_model(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0, **UNSUPPORTED[model_type],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # spread the logits: a near-flat argmax would flip on rounding (a false failure)
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
+def test_model_free_drafters_run_exactly_on_other_families(model_type):
+    model = unsupported_model(model_type)
+    repetitive = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+    for drafter in ("ngram", "suffix"):
+        spec = SelfSpeculative(model, drafter=drafter)
+        assert spec.adapter.whole_model_only
+        for prompt in (random_prompt(10, seed=2), repetitive):
+            expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), drafter
+        assert spec.stats.proposed > 0
+    ids, mask = padded_prompts([4, 9, 6])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    actual = SelfSpeculative(model, drafter="suffix").generate(ids, attention_mask=mask, max_new_tokens=20)
+    assert torch.equal(actual, expected)
+
+
+def test_heads_and_early_exit_still_need_a_supported_family():
+    model = unsupported_model("phi")
+    with pytest.raises(UnsupportedModelError, match="phi"):
+        SelfSpeculative(model)  # the untrained exit runs the model's first layers: the family must be known
+    with pytest.raises(UnsupportedModelError, match="phi"):
+        SelfSpeculative(model, drafter=["suffix", "heads"])
+
+
+def test_a_cache_that_cannot_roll_back_is_refused_for_model_free_drafters_too(monkeypatch):
+    from selfspec.adapter import core
+
+    config = AutoConfig.for_model(
+        "lfm2", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=r"'lfm2' .*recurrent state"):  # refused by name
+        SelfSpeculative(model, drafter="ngram")
+    monkeypatch.setattr(core, "REFUSED_ARCHITECTURES", {})  # a recurrent family selfspec has not heard of
+    spec = SelfSpeculative(model, drafter="ngram")
+    with pytest.raises(UnsupportedModelError, match=r"cache has \w+ layers, which cannot drop rejected drafts"):
+        spec.generate(random_prompt(6), max_new_tokens=4)
