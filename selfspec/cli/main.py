@@ -39,6 +39,13 @@ def run_tune_command(args: argparse.Namespace) -> int:
     return run_tune_command(args)
 
 
+def load_cli_model(model: str | None, dtype: str, device: str | None = None):
+    """`selfspec.cli.options.load_cli_model` (profile and export load their target through this name)."""
+    from .options import load_cli_model
+
+    return load_cli_model(model, dtype, device)
+
+
 def run_profile(args: argparse.Namespace) -> int:
     """`selfspec profile`: print the table, write the plot, optionally log a W&B run."""
     from ..adapter import ModelAdapter
@@ -46,7 +53,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from ..training.config import DataConfig, EvalConfig
     from ..training.data import load_rows, row_tensor
-    from .options import check_plotting, load_cli_model, set_threads, target_path
+    from .options import check_plotting, set_threads, target_path
 
     check_plotting()
     set_threads(args.num_threads)
@@ -103,7 +110,6 @@ def run_export(args: argparse.Namespace) -> int:
     from ..adapter import ModelAdapter
     from ..export import export_eagle
     from ..heads import load_heads
-    from .options import load_cli_model
 
     model, _ = load_cli_model(args.model, args.dtype)
     try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
