@@ -259,6 +259,7 @@ class SuffixDrafter(Drafter):
         self._texts: list[SuffixIndex] = []  # per row of the running call: its prompt and what it generated
         self._prompt_width = 0  # the call's prompt width (padding included): answers start there
         self._drafts: list[list[int]] | None = None  # each row's chain from `available`, for `draft`
+        self._paths: dict | None = None  # the tree from `available`, for `draft_tree`
 
     @property
     def name(self) -> str:
@@ -282,11 +283,11 @@ class SuffixDrafter(Drafter):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._texts = [self._texts[row] for row in rows.tolist()]
-        self._drafts = None
+        self._drafts = self._paths = None
 
     def end(self, sequences: list[torch.Tensor]) -> None:
         """Keep each row's answer in the cross-call cache, evicting the least recently used over the bounds."""
-        self._texts, self._drafts = [], None
+        self._texts, self._drafts, self._paths = [], None, None
         if not self.max_cached_requests:
             return
         for sequence in sequences:
@@ -298,10 +299,13 @@ class SuffixDrafter(Drafter):
                 self.cache.drop(next(iter(self.cache.sequences)))
 
     def accept(self, verified: Verified) -> None:
-        self._drafts = None  # the text changed: `available` looks again
+        self._drafts = self._paths = None  # the text changed: `available` looks again
 
     # ------------------------------------------------------------------ drafting
     def available(self, state: DecodeState) -> bool:
+        if self.tree is not None:  # the tree itself (empty: nothing likely enough), kept for `draft_tree`
+            self._paths = self._tree_paths(state)
+            return bool(self._paths)
         self._drafts = self._continuations(state)
         return any(self._drafts)
 
@@ -317,14 +321,18 @@ class SuffixDrafter(Drafter):
     def draft_tree(self, state: DecodeState):
         """The tree of the most likely continuations for one prompt: (the tree, node tokens [1, N], None: the
         candidates are point masses, chosen deterministically)."""
-        self._drafts = None
-        self._sync(state)
-        occurrences, depth, period_of = self._match(0)
-        paths = continuation_tree(occurrences, depth, self.tree.nodes, self.min_token_prob, period_of)
+        paths = self._paths if self._paths is not None else self._tree_paths(state)
+        self._paths = None
         tree = CandidateTree.from_paths([list(path) for path in paths])
         device = state.sequences.device
         node_tokens = torch.tensor([[paths[path] for path in tree.paths]], device=device)
         return tree.to(device), node_tokens, None
+
+    def _tree_paths(self, state: DecodeState) -> dict:
+        """The one prompt's tree of likely continuations now (`continuation_tree`)."""
+        self._sync(state)
+        occurrences, depth, period_of = self._match(0)
+        return continuation_tree(occurrences, depth, self.tree.nodes, self.min_token_prob, period_of)
 
     def _match(self, row: int) -> tuple[list[tuple], int, object]:
         """Row `row`'s occurrences of its longest matched suffix, in its own text or the cache (both where they
