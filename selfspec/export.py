@@ -1,5 +1,5 @@
-"""Export an EAGLE head (`selfspec.heads.EagleHeads`) as a draft checkpoint that vLLM and SGLang load, and import
-one back.
+"""Export for serving engines: an EAGLE head (`selfspec.heads.EagleHeads`) as a draft checkpoint that vLLM and
+SGLang load, and one imported back; the target itself as a Hugging Face folder they load.
 
 Serving engines run EAGLE drafts with kernels and schedulers selfspec does not have; what they need is our head's
 weights under their names, in their layout, with a config their loaders read as we mean it. Both engines load
@@ -12,9 +12,16 @@ unprefixed safetensors names and a Llama config. The mapping is defined for Llam
   and, when that is smaller than the target's, d2t (draft id -> target id offsets). Our layer k ("output of
   decoder layer k") is aux id k + 1 in vLLM and k in SGLang: with EAGLE's default layers [1, L/2-1, L-4] the ids
   are left out (both engines default to them); other layers need `engine`, and the file works in that one only.
-The engines' loaders (read in vLLM 0.33 and SGLang 0.5.23) leave missing tensors uninitialised silently, so the
-export refuses what it cannot write exactly (other families, draft LoRAs, logit scaling, biases), and
+- format "speculators" (vLLM only): the eagle3 tensors with the config of vLLM's `speculators` format
+  (vllm/transformers_utils/configs/speculators): the Llama layer config nested in `transformer_layer_config`, the
+  draft tokens per step, and the verifier (the target's folder or hub name), so that `vllm serve FOLDER` finds the
+  target and the speculative settings in the draft's folder alone.
+The engines' loaders (read in vLLM 0.32-0.33 and SGLang 0.5.23) leave missing tensors uninitialised silently, so
+the export refuses what it cannot write exactly (other families, draft LoRAs, logit scaling, biases), and
 `load_export` rebuilds our head from a folder to check that it drafts identically.
+
+`export_target` writes the target (a model loaded from a GGUF file included, dequantized) as the folder the engines
+load: safetensors weights, config, generation config and tokenizer with its chat template.
 """
 
 from __future__ import annotations
@@ -27,20 +34,23 @@ from safetensors.torch import load_file
 
 from .adapter import ModelAdapter, UnsupportedModelError
 from .heads import CONFIG_NAME, WEIGHTS_NAME, EagleHeads, HeadsMismatchError, check_fingerprint
-from .heads.base import write_folder
+from .heads.base import CARD_NAME, staged_folder, write_folder
 
-FORMATS = ("eagle", "eagle3")
+FORMATS = ("eagle", "eagle3", "speculators")
 ENGINES = ("vllm", "sglang")
 ARCHITECTURES = {
     ("eagle", "vllm"): "EagleLlamaForCausalLM",
     ("eagle", "sglang"): "LlamaForCausalLMEagle",
     ("eagle3", None): "LlamaForCausalLMEagle3",
 }
+LAYOUTS = {"eagle": "eagle", "eagle3": "eagle3", "speculators": "eagle3"}  # format -> the head layout it holds
 AUX_ID_OFFSET = {"vllm": 1, "sglang": 0}  # engine aux id = our feature layer (a decoder layer's output) + offset
 COPIED_FIELDS = (  # Llama config fields the engines' draft layer reads, as the target has them
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "max_position_embeddings", "rope_parameters",
 )  # fmt: skip
+SIZES = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")  # what a head and its target share
+DEFAULT_SPECULATIVE_TOKENS = 3  # draft tokens per step in the serving commands, for a head without a tuned gamma
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
@@ -83,13 +93,13 @@ def _check_target(adapter: ModelAdapter) -> None:
 
 def _feature_layers(heads: EagleHeads, format: str) -> list[int] | None:
     """The head's fused layers after checking that they fit `format`."""
-    layers = heads.feature_layers
-    if heads.layout != format:
-        raise ValueError(f"format {format!r} needs an EAGLE head of layout {format!r}; this one is {heads.layout!r}.")
+    layers, layout = heads.feature_layers, LAYOUTS[format]
+    if heads.layout != layout:
+        raise ValueError(f"format {format!r} needs an EAGLE head of layout {layout!r}; this one is {heads.layout!r}.")
     if format == "eagle" and layers is not None:
         raise ValueError(f"format 'eagle' reads the target's last hidden state; this head fuses layers {layers}.")
-    if format == "eagle3" and layers is None:
-        raise ValueError("format 'eagle3' fuses decoder layer outputs; this head has no feature_layers.")
+    if layout == "eagle3" and layers is None:
+        raise ValueError(f"format {format!r} fuses decoder layer outputs; this head has no feature_layers.")
     if layers is not None and layers != sorted(set(layers)):
         raise ValueError(f"feature_layers={layers} must be strictly ascending: the engines fuse them in that order.")
     return layers
@@ -128,7 +138,7 @@ def _config(adapter: ModelAdapter, format: str, engine: str | None, aux_ids, dra
 
 def _card(adapter: ModelAdapter, heads: EagleHeads, format: str, engine: str | None, aux_ids, path: Path) -> str:
     target = adapter.fingerprint().name_or_path or "TARGET"
-    gamma = heads.num_draft_tokens or 3
+    gamma = heads.num_draft_tokens or DEFAULT_SPECULATIVE_TOKENS
     ids = f"aux ids {aux_ids} in {engine}'s convention" if aux_ids else "EAGLE's default layers (no ids written)"
     serve = {
         "vllm": f"vllm serve {target} --speculative-config "
@@ -145,15 +155,78 @@ def _card(adapter: ModelAdapter, heads: EagleHeads, format: str, engine: str | N
     return "\n".join(lines)
 
 
-def export_eagle(heads: EagleHeads, model, path, format: str = "eagle3", engine: str | None = None, draft_vocab=None):
+def _speculators_config(config: dict, verifier: dict, gamma: int) -> dict:
+    """vLLM's `speculators` format around the eagle3 draft `config` that `_config` wrote (the fields vLLM 0.32 reads,
+    named as the speculators library names them)."""
+    outside = ("architectures", "draft_vocab_size", "selfspec")  # fields of the speculators config itself
+    layer = {key: value for key, value in config.items() if key not in outside}
+    ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    return {
+        "architectures": ["Eagle3Speculator"],  # the speculators library's name; vLLM takes its class from model_type
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,  # with eagle_config's ids, from which vLLM's draft sizes its fc
+        "draft_vocab_size": config["draft_vocab_size"],
+        # our layer's residual is the fused feature itself, before hidden_norm; vLLM reads a missing field as True
+        "norm_before_residual": False,
+        **({"eagle_aux_hidden_state_layer_ids": ids} if ids else {}),  # the runner's aux layers (vLLM's ids)
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": gamma}],
+            "verifier": verifier,
+        },
+        "selfspec": {**config["selfspec"], "format": "speculators"},
+    }
+
+
+def _speculators_card(target: str, verifier: str, gamma: int, path: Path) -> str:
+    lines = [f"# EAGLE-3 draft for {target}, in vLLM's speculators format", ""]
+    lines += [f"Exported by `selfspec export --format speculators`. The verifier (the target vLLM serves) is "
+              f"`{verifier}`; {gamma} draft tokens per step. Serve both with:", "", f"    vllm serve {path}",
+              ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _verifier(verifier: str | Path, adapter: ModelAdapter) -> dict:
+    """The speculators config's verifier: an existing folder by its absolute path, once its config.json shows this
+    target's sizes; anything else as given (a hub name)."""
+    path = Path(verifier).expanduser()
+    if not path.exists():
+        if str(verifier).startswith(("/", ".", "~")):
+            raise ValueError(f"verifier {str(verifier)!r}: no such folder (write it with export_target first).")
+        return {"name_or_path": str(verifier), "architectures": [type(adapter.model).__name__]}
+    if not (path / CONFIG_NAME).is_file():
+        raise ValueError(f"verifier {str(verifier)!r} has no {CONFIG_NAME}: pass the target's folder (export_target).")
+    config, mine = json.loads((path / CONFIG_NAME).read_text()), adapter.fingerprint().to_dict()
+    theirs = {key: config.get(key) for key in SIZES}
+    if any(mine[key] != value for key, value in theirs.items()):
+        raise HeadsMismatchError(f"verifier {str(verifier)!r} holds a model of {theirs}, not the head's target {mine}.")
+    return {
+        "name_or_path": str(path.resolve()),
+        "architectures": config.get("architectures") or [type(adapter.model).__name__],
+    }
+
+
+def export_eagle(
+    heads: EagleHeads,
+    model,
+    path,
+    format: str = "eagle3",
+    engine: str | None = None,
+    draft_vocab=None,
+    verifier: str | Path | None = None,
+):
     """Write `heads` (an EAGLE head trained for `model`) to the folder `path` as a vLLM/SGLang EAGLE draft checkpoint:
     config.json, model.safetensors (in the target's dtype) and README.md, atomically.
 
-    format: "eagle" (EAGLE-1, layout "eagle", no feature layers) or "eagle3" (layout "eagle3", feature layers
-    ascending). engine: "vllm" or "sglang", required for "eagle" (the architecture names differ) and for "eagle3"
-    heads whose feature layers are not EAGLE's default [1, L/2-1, L-4]: their aux ids are written in that engine's
-    convention (vLLM: our layer + 1, SGLang: our layer) and select other layers in the other engine.
-    draft_vocab (eagle3 only): token ids (or a JSON file of them) the draft's LM head keeps; None: all.
+    format: "eagle" (EAGLE-1, layout "eagle", no feature layers), "eagle3" (layout "eagle3", feature layers
+    ascending) or "speculators" (the eagle3 checkpoint in vLLM's speculators format, naming `verifier`).
+    engine: "vllm" or "sglang", required for "eagle" (the architecture names differ) and for "eagle3" heads whose
+    feature layers are not EAGLE's default [1, L/2-1, L-4]: their aux ids are written in that engine's convention
+    (vLLM: our layer + 1, SGLang: our layer) and select other layers in the other engine; "speculators" is vLLM's.
+    draft_vocab (eagle3, speculators): token ids (or a JSON file of them) the draft's LM head keeps; None: all.
+    verifier (speculators only): the target's folder (`export_target`; checked against `model` and written as an
+    absolute path) or hub name, which `vllm serve path` loads as the target.
     Raises UnsupportedModelError for targets other than plain Llama, ValueError for heads that do not fit."""
     adapter = ModelAdapter(model)
     _check_target(adapter)
@@ -163,12 +236,18 @@ def export_eagle(heads: EagleHeads, model, path, format: str = "eagle3", engine:
         raise ValueError(
             f"format={format!r}, engine={engine!r}: expected a format of {FORMATS}, an engine of {ENGINES}"
         )
+    speculators = format == "speculators"
+    if speculators and engine not in (None, "vllm"):
+        raise ValueError(f"format 'speculators' is vLLM's; engine={engine!r} does not read it (use format 'eagle3').")
+    if speculators != (verifier is not None):
+        raise ValueError("format 'speculators' needs verifier= (the target vLLM serves); other formats take none.")
     mine, theirs = heads.fingerprint.to_dict(), adapter.fingerprint().to_dict()
-    if any(mine[key] != theirs[key] for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")):
+    if any(mine[key] != theirs[key] for key in SIZES):
         raise HeadsMismatchError(f"The head was trained for {heads.fingerprint}, not {adapter.fingerprint()}.")
     if heads.draft_lora is not None:
         raise ValueError("The head has a draft LoRA on the LM head: the engines' EAGLE drafts have no slot for it.")
     layers = _feature_layers(heads, format)
+    format, engine = (LAYOUTS[format], "vllm") if speculators else (format, engine)  # an eagle3 checkpoint for vLLM
     default = layers == default_feature_layers(adapter.num_layers)
     if engine is None and format == "eagle":
         raise ValueError("format 'eagle' needs engine='vllm' or 'sglang': they name the architecture differently.")
@@ -184,6 +263,11 @@ def export_eagle(heads: EagleHeads, model, path, format: str = "eagle3", engine:
     draft_size = len(tensors["lm_head.weight"]) if format == "eagle3" else None
     config = _config(adapter, format, engine, aux_ids, draft_size, heads.num_draft_tokens)
     card = _card(adapter, heads, format, engine, aux_ids, Path(path))
+    if speculators:
+        target, gamma = _verifier(verifier, adapter), heads.num_draft_tokens or DEFAULT_SPECULATIVE_TOKENS
+        config = _speculators_config(config, target, gamma)
+        name = adapter.fingerprint().name_or_path or "the target"
+        card = _speculators_card(name, target["name_or_path"], gamma, Path(path))
     write_folder(Path(path), config, tensors, card, {"format": "pt"})
 
 
@@ -202,6 +286,33 @@ def _tensors(heads: EagleHeads, adapter: ModelAdapter, format: str, draft_vocab)
     return tensors
 
 
+def _draft_config(path: Path) -> dict:
+    """A checkpoint's draft config; for the speculators format, its layer config with the fields beside it (and
+    "engine" vllm: its aux ids are vLLM's), after checking its flags keep our head's layout."""
+    config = json.loads((path / CONFIG_NAME).read_text())
+    if "speculators_config" not in config:
+        return config
+    flags = {name: config.get(name) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    if (
+        config.get("speculators_model_type") != "eagle3"
+        or flags["norm_before_residual"] is not False
+        or any(flags[name] for name in ("norm_before_fc", "fc_norm", "norm_output"))
+    ):
+        raise HeadsMismatchError(
+            f"{path}: a speculators checkpoint of type {config.get('speculators_model_type')!r} with {flags}; our "
+            "head is eagle3 with the residual before hidden_norm (norm_before_residual false) and no other norms."
+        )
+    layer = dict(config["transformer_layer_config"])
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    return {
+        **layer,
+        "architectures": [ARCHITECTURES["eagle3", None]],
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if ids else {}),
+        "selfspec": {**config.get("selfspec", {}), "engine": "vllm"},
+    }
+
+
 def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
     """(EAGLE head, draft vocabulary ids or None) from a folder `export_eagle` wrote for `model`: with
     `SelfSpeculative(model, heads=heads, draft_vocab=ids)` it drafts as the exported head did. Raises
@@ -209,7 +320,7 @@ def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
     path = Path(path)
     adapter = ModelAdapter(model)
     _check_target(adapter)
-    config = json.loads((path / CONFIG_NAME).read_text())
+    config = _draft_config(path)
     tensors = load_file(path / WEIGHTS_NAME)
     architecture = (config.get("architectures") or [None])[0]
     format = next((f for (f, _), name in ARCHITECTURES.items() if name == architecture), None)
@@ -258,3 +369,34 @@ def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
     if not torch.equal(head, (weight if ids is None else weight[ids]).to(head.dtype)):
         raise HeadsMismatchError(f"{path}: lm_head.weight is not the target's LM head (rows): selfspec shares it.")
     return heads, ids
+
+
+def export_target(model, tokenizer, path) -> None:
+    """Write `model` (a transformers causal LM; one loaded from a GGUF file with dense weights too, as
+    `selfspec.load_model` loads it) and `tokenizer` to the folder `path` as the Hugging Face folder serving engines
+    load: config.json, generation_config.json, model.safetensors in the model's dtype, the tokenizer's files (its chat
+    template included) and README.md, atomically. Raises ValueError for what would not load back as this model: a
+    wrapper such as a PEFT model, packed quantized weights, no tokenizer."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"export_target writes a transformers model; this is a {type(model).__name__} (a PEFT model: "
+            "merge_and_unload() it first)."
+        )
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise ValueError(
+            f"The model was loaded quantized ({type(model.hf_quantizer).__name__}), which transformers does not save: "
+            "load it with dense weights (a GGUF file: quantization_config=GgufConfig(dequantize=True), as "
+            "selfspec.load_model loads it)."
+        )
+    if tokenizer is None:
+        raise ValueError("export_target needs the model's tokenizer: the engines read it from the same folder.")
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    card = [f"# {name}", "", f"Written by `selfspec export --format hf` in {str(model.dtype).removeprefix('torch.')}."]
+    card += [f"Serve it with `vllm serve {path}`, or name it as the verifier of an EAGLE-3 draft: `selfspec export "
+             f"--format speculators --verifier {path}`.", ""]  # fmt: skip
+    with staged_folder(Path(path)) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / CARD_NAME).write_text("\n".join(card))

@@ -41,7 +41,8 @@ class SelfSpeculative(DecodingLoop):
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
             chain even when the heads carry a tree. With an EAGLE head, a dynamic tree (EAGLE-2) as a dict
             {"nodes": 8, "top_k": 3, "depth": 4}: candidates verified per pass, children per expanded node and
-            nodes expanded per depth, depth. Trees draft for one prompt at a time.
+            nodes expanded per depth, depth (`selfspec tune` measures five budgets). Trees draft for one prompt
+            at a time.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
             down to plain decoding when drafting does not pay (see `selfspec.engine.adaptive`); with several drafters,
             also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
@@ -82,6 +83,13 @@ class SelfSpeculative(DecodingLoop):
             own must not run the target on the cache in `draft`), models without sliding-window layers; calls on
             one instance must not overlap (one cache). Greedy output stays token-identical to `model.generate` in
             float32 (tested), and in half precision up to ties (see the README). Default: False.
+
+    Attributes:
+        drafters: every drafter in use, in order of preference: a tuple whose repr names each one, e.g.
+            `Drafters('ngram', 'eagle')` for drafter="hybrid" with EAGLE heads.
+        drafter: the drafter in use where there is one (`spec.drafter.clear_cache()` with drafter="suffix"); with
+            several, `drafters` itself, so that it never shows one drafter of a hybrid as if it were the only one.
+        stats: what the last `generate` call did (`selfspec.GenerationStats`), None before the first.
     """
 
     def __init__(
@@ -127,7 +135,7 @@ class SelfSpeculative(DecodingLoop):
         self.drafters = build_drafters(self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram)
         self.hidden_layers = self._collect_hidden_layers()
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
-        self.draft_cost = self.drafter.estimated_cost() if draft_cost is None else draft_cost
+        self.draft_cost = self.drafters[-1].estimated_cost() if draft_cost is None else draft_cost
         if not self.draft_cost >= 0:
             raise ValueError(f"draft_cost={draft_cost!r} must be a non-negative number (draft token / plain step).")
         max_drafts = max(part.max_drafts for part in self.drafters)
@@ -136,7 +144,7 @@ class SelfSpeculative(DecodingLoop):
             or not isinstance(num_draft_tokens, int)
             or not 0 <= num_draft_tokens <= max_drafts
         ):
-            what = f"what {self.drafter.name} drafts at most" if len(self.drafters) == 1 else "the drafters' limit"
+            what = f"what {self.drafters[0].name} drafts at most" if len(self.drafters) == 1 else "the drafters' limit"
             raise ValueError(
                 f"num_draft_tokens={num_draft_tokens!r} must be an integer from 1 to {max_drafts} ({what}), "
                 "or 0 for plain decoding."
@@ -153,7 +161,7 @@ class SelfSpeculative(DecodingLoop):
         recorded = heads.position_cost if heads is not None else None
         given = position_cost if position_cost is not None else recorded
         self.position_cost = check_position_cost(given) if given is not None else None  # None: measured per call
-        self.exit_layer = getattr(self.drafter, "exit_layer", None)
+        self.exit_layer = getattr(self.drafters[-1], "exit_layer", None)  # the heads' drafter is the last
         self.num_draft_tokens = max(self.draft_limits)
         self.stats = None
         if self.compiled:
@@ -198,7 +206,7 @@ class SelfSpeculative(DecodingLoop):
 
     def __repr__(self) -> str:
         return (
-            f"SelfSpeculative({type(self.adapter.model).__name__}, drafters={[part.name for part in self.drafters]}, "
+            f"SelfSpeculative({type(self.adapter.model).__name__}, drafters={self.drafters!r}, "
             f"exit_layer={self.exit_layer}/{self.adapter.num_layers}, num_draft_tokens={self.num_draft_tokens}, "
             f"heads={'trained' if self.heads is not None else 'none'})"
         )

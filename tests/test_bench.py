@@ -237,3 +237,34 @@ def test_compiled_contenders_run_exactly_and_are_compared_with_the_compiled_gene
     assert "vs generate compiled" in markdown_table(list(rows.values()))
     eager_only = {key: value for key, value in rows["generate"].items() if key != "vs_compiled_generate"}
     assert "vs generate compiled" not in markdown_table([eager_only])  # no column where no figure applies
+
+
+def test_tune_measures_eagle_tree_budgets_and_writes_the_best_chain(model, tmp_path):
+    from selfspec import load_heads
+    from selfspec.heads import EagleHeads
+    from selfspec.heads.eagle import TUNED_TREES
+    from selfspec.measure.tune import apply_choice, tune
+    from selfspec.training.config import HeadsConfig
+
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = EagleHeads.from_config(HeadsConfig(kind="eagle"), adapter)
+    prompt = random_prompt(6, seed=5)
+    choices, _ = tune(model, heads, [prompt], max_new_tokens=12, max_gamma=3, timing_repeats=2)
+    trees = [c for c in choices if isinstance(c.tree, dict)]
+    assert sorted(c.tree["nodes"] for c in trees) == sorted(t["nodes"] for t in TUNED_TREES)
+    assert len(choices) == 3 + len(TUNED_TREES)  # chains of gamma 1..3 and every tree budget
+    for choice in trees:
+        assert choice.gamma == choice.tree["nodes"] and 1.0 <= choice.tokens_per_pass <= choice.tree["depth"] + 1
+        assert f"tree of {choice.tree['nodes']} nodes (top-{choice.tree['top_k']}" in choice.label
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        spec = SelfSpeculative(model, heads=heads, **choice.options())
+        assert torch.equal(spec.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+    chain = next(c for c in choices if c.tree is None)
+    apply_choice(heads, chain)
+    heads.save_pretrained(tmp_path / "eagle")
+    loaded = load_heads(tmp_path / "eagle", adapter)
+    assert loaded.num_draft_tokens == chain.gamma and "tree" not in json.loads(
+        (tmp_path / "eagle" / "config.json").read_text()
+    )
+    assert SelfSpeculative(model, heads=loaded).drafter.tree is None  # the head's default stays a chain

@@ -42,6 +42,13 @@ def test_demo_config_targets_the_demo_model():
     assert config.target.name_or_path == "heads/demo-target" and config.heads.exit_layers == [2, 3, 4, 6, 8]
 
 
+def test_wandb_logs_only_when_asked():
+    """The default and the demo configs log to no tracker (`--report_to wandb` asks for W&B: the overrides above)."""
+    assert TrainHeadsConfig().logging.report_to == "none"
+    for name in ("train_heads_demo.yaml", "train_heads_demo_eagle.yaml", "train_heads_demo_medusa.yaml"):
+        assert load_config(TrainHeadsConfig, CONFIGS / name).logging.report_to == "none", name
+
+
 def test_example_and_default_runs_write_under_runs():
     """Not into heads/: a run of a shipped config leaves the bundled heads alone."""
     for config in [load_config(TrainHeadsConfig, CONFIGS / name) for name in SHIPPED] + [TrainHeadsConfig()]:
@@ -57,13 +64,13 @@ def test_overrides_by_dotted_key(tmp_path):
             "3e-4",
             "--heads.exit_layers",
             "[1, 5]",
-            "--logging.report_to=none",
+            "--logging.report_to=wandb",
             "--target.device_map",
             "auto",
         ],
     )
     assert config.train.lr == 3e-4 and isinstance(config.train.lr, float)
-    assert config.heads.exit_layers == [1, 5] and config.logging.report_to == "none"
+    assert config.heads.exit_layers == [1, 5] and config.logging.report_to == "wandb"
     assert config.target.device_map == "auto"
     assert config_differences(config, load_config(TrainHeadsConfig, CONFIGS / "train_heads_demo.yaml")) == [
         "heads.exit_layers",

@@ -239,8 +239,46 @@ def test_objective_and_scores_match_the_definitions(kind):
         sums = score_sums(heads, adapter, hidden_states, logits)
     torch.testing.assert_close(kl, torch.stack([kl_divergence(p, q).mean() for p, q in pairs]))
     torch.testing.assert_close(ce, torch.stack([soft_cross_entropy(p, q).mean() for p, q in pairs]))
-    expected = [
-        [kl_divergence(p, q).sum(), acceptance_rate(p, q).sum(), top1_agreement(p, q).sum(), p[..., 0].numel()]
-        for p, q in pairs
-    ]
+    expected, chain = [], None
+    for p, q in pairs:
+        agree = top1_agreement(p, q)
+        chain = agree if chain is None else chain[:, : agree.shape[1]] * agree  # every earlier draft agreed too
+        sums_row = [kl_divergence(p, q).sum(), acceptance_rate(p, q).sum(), agree.sum(), p[..., 0].numel()]
+        expected.append(sums_row + [chain.sum()])
     torch.testing.assert_close(sums, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_and_a_draft_vocabulary_change_what_the_loss_averages():
+    """The masked loss is the mean over the marked teacher positions; with a draft vocabulary, q and p are the
+    softmax of their logits on its tokens only."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = MedusaHeads(adapter.fingerprint(), 2)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 9)))
+    mask = torch.rand(2, 9) < 0.5
+    ids = torch.tensor(sorted(torch.randperm(model.config.vocab_size)[:40].tolist()))
+    vocab = adapter.draft_vocabulary(ids)
+    with torch.no_grad():
+        drafts = heads.distillation_drafts(adapter, hidden_states)
+        masked = DistillationObjective(heads, adapter)(hidden_states, logits, mask)
+        reduced = DistillationObjective(heads, adapter, vocab=vocab)(hidden_states, logits)
+        for k, draft in enumerate(drafts):
+            p, q, keep = draft.teacher(logits), draft.head(draft.hidden), draft.teacher(mask)
+            torch.testing.assert_close(masked[k], kl_divergence(p, q)[keep].mean())
+            torch.testing.assert_close(reduced[k], kl_divergence(p[..., ids], q[..., ids]).mean())
+        sums = score_sums(heads, adapter, hidden_states, logits, mask=mask)
+        reduced_sums = score_sums(heads, adapter, hidden_states, logits, vocab=vocab)
+        # training's target pass over the draft vocabulary: the target's logits on its rows only
+        compact_states, compact_logits = target_pass(model, ids_batch := torch.randint(3, 96, (2, 5)), adapter,
+                                                     vocab.compacted())  # fmt: skip
+        full_states, full_logits = target_pass(model, ids_batch)
+    assert sums[0, 3] == drafts[0].teacher(mask).sum() and sums[1, 3] == drafts[1].teacher(mask).sum()
+    for k, draft in enumerate(drafts):  # KL over the draft vocabulary: p and q renormalised on its tokens
+        p, q = draft.teacher(logits)[..., ids], draft.head(draft.hidden)[..., ids]
+        torch.testing.assert_close(reduced_sums[k, 0].float(), kl_divergence(p, q).sum(), rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(reduced_sums).all()
+    torch.testing.assert_close(compact_logits, full_logits[..., ids], rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(compact_states, full_states, strict=True))

@@ -1,5 +1,6 @@
 """Errors that name the problem and say what to do: float token ids, a padded batch without its attention mask, a
-model folder given as heads, a draft vocabulary made for another target, a hybrid without heads."""
+model folder given as heads, a draft vocabulary made for another target, a hybrid without heads; and what
+`spec.drafter` shows of a hybrid."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from tiny_models import random_prompt, tiny_model
 
-from selfspec import HeadsMismatchError, SelfSpeculative
+from selfspec import EarlyExitDrafter, ExitHeads, HeadsMismatchError, NGramDrafter, SelfSpeculative
+from selfspec.adapter import ModelAdapter
 
 
 def test_float_token_ids_are_refused_by_name():
@@ -53,3 +55,21 @@ def test_a_hybrid_without_heads_drafts_with_ngram_lookup_and_says_so():
         "ngram",
         "exit 2",
     ]
+
+
+def test_drafter_and_drafters_show_every_drafter_in_use():
+    """`spec.drafters` is the tuple of every drafter; `spec.drafter` is the drafter where there is one, and all of
+    them in a hybrid (never its last drafter as if it drafted alone)."""
+    model = tiny_model("llama")
+    heads = ExitHeads(ModelAdapter(model).fingerprint(), [2])
+    hybrid = SelfSpeculative(model, drafter="hybrid", heads=heads)
+    assert isinstance(hybrid.drafters, tuple)
+    assert [type(part) for part in hybrid.drafters] == [NGramDrafter, EarlyExitDrafter]
+    assert hybrid.drafter is hybrid.drafters
+    assert repr(hybrid.drafter) == "Drafters('ngram', 'exit 2')"
+    assert "drafters=Drafters('ngram', 'exit 2')" in repr(hybrid)
+    with pytest.raises(AttributeError, match=r"are 2 drafters, each with its own 'tree'.*spec\.drafters\[1\]\.tree"):
+        hybrid.drafter.tree  # noqa: B018
+    single = SelfSpeculative(model, heads=heads)
+    assert isinstance(single.drafter, EarlyExitDrafter) and single.drafters == (single.drafter,)
+    assert repr(single.drafters) == "Drafters('exit 2')"

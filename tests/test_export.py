@@ -1,6 +1,7 @@
 """Export of EAGLE heads for vLLM and SGLang (selfspec/export.py): every tensor name and shape and every config
-field the engines' loaders need (vLLM 0.33, SGLang 0.5.23), none they choke on, the refusals, and the round trip
-(a re-imported head drafts exactly as the exported one did)."""
+field the engines' loaders need (vLLM 0.32-0.33, SGLang 0.5.23), none they choke on, vLLM's speculators format, the
+refusals, and the round trip (a re-imported head drafts exactly as the exported one did). tests/test_vllm.py runs
+the exports in vLLM itself, where a Python with vLLM is at hand."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import DynamicCache
 from selfspec import SelfSpeculative, frequent_tokens
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
 from selfspec.cli.main import main
-from selfspec.export import export_eagle, load_export
+from selfspec.export import DEFAULT_SPECULATIVE_TOKENS, LAYOUTS, export_eagle, load_export
 from selfspec.heads import EagleHeads, HeadsMismatchError
 from selfspec.heads.lora import DraftLoRA
 from selfspec.training.config import HeadsConfig
@@ -136,22 +137,104 @@ def test_eagle3_ids_follow_the_engines_convention(model, tmp_path, engine, ids):
     assert f"{ids} in {engine}'s convention" in (tmp_path / "out/README.md").read_text()
 
 
+def target_folder(model, path):
+    """The target saved as a Hugging Face folder (the verifier's sizes are read from its config.json)."""
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("vocab", [None, [2, 5, 7, 40, 95]])
+def test_speculators_checkpoint(model, tmp_path, vocab):
+    """vLLM's speculators format (vllm/transformers_utils/configs/speculators, read in 0.32): the eagle3 tensors, the
+    layer config nested, the draft tokens per step and the verifier that `vllm serve FOLDER` loads as the target."""
+    heads = eagle_head(model)
+    export_eagle(heads, model, tmp_path / "eagle3", draft_vocab=vocab)
+    verifier = target_folder(model, tmp_path / "target")
+    export_eagle(heads, model, tmp_path / "out", "speculators", draft_vocab=vocab, verifier=verifier)
+    config, tensors = written(tmp_path / "out")
+    _, eagle3_tensors = written(tmp_path / "eagle3")
+    assert tensors.keys() == eagle3_tensors.keys()
+    assert all(torch.equal(tensors[name], eagle3_tensors[name]) for name in tensors)
+    assert "model_type" not in config  # vLLM takes a config without one and with speculators_config as this format
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    assert config["draft_vocab_size"] == (len(vocab) if vocab else V)
+    assert config["norm_before_residual"] is False  # our residual is the fused feature; vLLM defaults to True
+    assert not any(key in config for key in ("norm_before_fc", "fc_norm", "norm_output", "target_hidden_size"))
+    assert "eagle_aux_hidden_state_layer_ids" not in config  # default layers
+    layer = config["transformer_layer_config"]
+    check_common_config(layer, model)
+    assert not {"architectures", "draft_vocab_size", "selfspec", "eagle_config"} & set(layer)
+    assert config["speculators_config"] == {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],  # the head's num_draft_tokens
+        "verifier": {"name_or_path": str(verifier.resolve()), "architectures": ["LlamaForCausalLM"]},
+    }
+    assert f"vllm serve {tmp_path / 'out'}" in (tmp_path / "out/README.md").read_text()
+
+
+def test_speculators_checkpoint_on_other_layers_and_a_hub_verifier(model, tmp_path):
+    heads = eagle_head(model, feature_layers=[0, 2, 5])
+    heads.num_draft_tokens = None  # no tuned gamma: the default number of draft tokens
+    export_eagle(heads, model, tmp_path / "out", "speculators", verifier="org/target")
+    config, _ = written(tmp_path / "out")
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM's ids: ours + 1
+    # vLLM's draft model sizes its fc from the nested eagle_config
+    assert config["transformer_layer_config"]["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
+    assert config["speculators_config"]["verifier"] == {
+        "name_or_path": "org/target",
+        "architectures": ["LlamaForCausalLM"],
+    }
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == DEFAULT_SPECULATIVE_TOKENS
+
+
+def test_speculators_refusals(model, tmp_path):
+    out, heads = tmp_path / "out", eagle_head(model)
+    with pytest.raises(ValueError, match="needs verifier"):
+        export_eagle(heads, model, out, "speculators")
+    with pytest.raises(ValueError, match="other formats take none"):
+        export_eagle(heads, model, out, "eagle3", verifier="org/target")
+    with pytest.raises(ValueError, match="is vLLM's"):
+        export_eagle(heads, model, out, "speculators", "sglang", verifier="org/target")
+    with pytest.raises(ValueError, match="layout 'eagle3'"):
+        export_eagle(eagle_head(model, "eagle", None), model, out, "speculators", verifier="org/target")
+    with pytest.raises(ValueError, match="no such folder"):
+        export_eagle(heads, model, out, "speculators", verifier=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        export_eagle(heads, model, out, "speculators", verifier=tmp_path / "empty")
+    other = target_folder(tiny_model("llama", num_layers=6), tmp_path / "other")
+    with pytest.raises(HeadsMismatchError, match="verifier .* holds a model of"):
+        export_eagle(heads, model, out, "speculators", verifier=other)
+    assert not out.exists()
+    export_eagle(heads, model, out, "speculators", verifier="org/target")
+    config = json.loads((out / "config.json").read_text())
+    for flags in ({"norm_before_residual": True}, {"norm_before_fc": True}, {"speculators_model_type": "dflash"}):
+        (out / "config.json").write_text(json.dumps({**config, **flags}))
+        with pytest.raises(HeadsMismatchError, match="speculators checkpoint"):
+            load_export(out, model)
+
+
 ROUND_TRIPS = [
     ("eagle", None, "vllm", None),
     ("eagle3", (1, 3, 4), None, None),
     ("eagle3", (1, 3, 4), None, "frequent"),
     ("eagle3", (0, 2, 5), "sglang", [3, 9, 17, 33, 50, 64, 80]),
     ("eagle3", (2,), "vllm", None),  # one feature layer: fc is the identity
+    ("speculators", (1, 3, 4), None, [3, 9, 17, 33, 50, 64, 80]),
+    ("speculators", (0, 2, 5), None, None),  # aux ids in vLLM's convention, which the format implies
 ]
 
 
-@pytest.mark.parametrize("layout,layers,engine,vocab", ROUND_TRIPS)
-def test_a_reimported_head_drafts_identically(model, tmp_path, layout, layers, engine, vocab):
+@pytest.mark.parametrize("format,layers,engine,vocab", ROUND_TRIPS)
+def test_a_reimported_head_drafts_identically(model, tmp_path, format, layers, engine, vocab):
+    layout = LAYOUTS[format]
     heads = eagle_head(model, layout, layers)
     prompt = random_prompt(6)
     if vocab == "frequent":
         vocab = frequent_tokens(model.generate(prompt, max_new_tokens=24, do_sample=False), 40)
-    export_eagle(heads, model, tmp_path / "out", layout, engine, vocab)
+    verifier = "org/target" if format == "speculators" else None
+    export_eagle(heads, model, tmp_path / "out", format, engine, vocab, verifier)
     again, ids = load_export(tmp_path / "out", model)
     assert again.features == heads.features and again.num_draft_tokens == 3
     assert (ids is None) == (vocab is None) and (

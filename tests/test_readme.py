@@ -96,3 +96,19 @@ def test_readme_shows_what_the_demo_prints():
 
     rule = greedy_check([], torch.bfloat16)[0][:-1]  # the tie rule's lines, without a verdict
     assert demo_legend(8192, ties=True) in README and "\n".join(rule) in README
+
+
+def test_readme_training_command_is_short_quiet_and_parses(monkeypatch):
+    """The 20-step demo training the README times: accelerate is told the thread count (else it warns that it chose
+    one), the config logs to no tracker, and the script's own parser reads the command."""
+    command = next(block for block in re.findall(r"^```bash\n(.*?)^```$", README, flags=re.DOTALL | re.MULTILINE)
+                   if "train_heads.py" in block).split()  # fmt: skip
+    script = command.index("training/train_heads.py")
+    assert command[:3] == ["accelerate", "launch", "--config_file"] and "--num_cpu_threads_per_process" in command
+    monkeypatch.syspath_prepend(str(ROOT / "training"))
+    monkeypatch.chdir(ROOT)
+    import train_heads
+
+    _, config = train_heads.parse_args(command[script + 1 :])
+    assert config.train.max_steps == 20 and config.logging.report_to == "none"
+    assert config.target.name_or_path == "heads/demo-target"

@@ -118,3 +118,32 @@ def test_bench_command_reads_spec_bench_questions(tmp_path, capsys):
     rows = json.loads((tmp_path / "out" / "bench_by_category.json").read_text())["results"]
     assert {(row["category"], row["contender"]) for row in rows} >= {("qa", "generate"), ("overall", "generate")}
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]["prompts"] == 3
+
+
+def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, capsys):
+    from selfspec.heads import EagleHeads
+    from selfspec.training.config import HeadsConfig
+
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    torch.manual_seed(0)
+    EagleHeads.from_config(HeadsConfig(kind="eagle"), ModelAdapter(model)).save_pretrained(tmp_path / "eagle")
+    args = ["bench", "--model", str(tmp_path / "model"), "--prompts", str(write_questions(tmp_path / "q.jsonl"))]
+    args += ["--limit_per_category", "1", "--max_new_tokens", "8", "--repeats", "1", "--no_transformers"]
+    args += ["--no_sampling", "--output", str(tmp_path / "out"), "--only", "chain"]
+    assert main([*args, "--heads", str(tmp_path / "eagle"), "--chains", "1,3"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("### acceptance by draft position")[1]
+    assert "| contender | tokens/pass | position 1 | position 2 | position 3 |" in table
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["results"]
+    chains = {row["contender"]: row for row in rows if "chain" in row["contender"]}
+    assert len(chains["selfspec eagle chain 1 (fixed)"]["proposed_per_position"]) == 1
+    three = chains["selfspec eagle chain 3 (fixed)"]
+    assert len(three["proposed_per_position"]) == 3
+    assert three["accepted_per_position"] == sorted(three["accepted_per_position"], reverse=True)  # a chain
+    assert f"| selfspec eagle chain 3 (fixed) | {three['tokens_per_pass']:.2f} |" in table
+    with pytest.raises(SystemExit, match="--chains takes chain lengths of 1 or more"):
+        main([*args, "--heads", str(tmp_path / "eagle"), "--chains", "0"])
+    with pytest.raises(SystemExit, match="--chains needs EAGLE heads"):
+        main([*args, "--chains", "2"])

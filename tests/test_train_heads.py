@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -180,10 +181,11 @@ def heads_state(world: dict, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(world) -> str:
-    """One uninterrupted run with W&B offline."""
+    """One uninterrupted run with W&B offline, asked for with `--report_to wandb` (the default logs to no tracker)."""
     target_file = world["target"] / "model.safetensors"
     before = hashlib.sha256(target_file.read_bytes()).hexdigest()
-    code, out = launch(world, write_config(world, "baseline", **{"logging.project": "selfspec-test"}))
+    config = write_config(world, "baseline", **{"logging.project": "selfspec-test"})
+    code, out = launch(world, config, "--report_to", "wandb")
     assert code == 0, out[-3000:]
     assert hashlib.sha256(target_file.read_bytes()).hexdigest() == before
     return "baseline"
@@ -364,6 +366,20 @@ def test_data_formats_render_and_pack(tmp_path, monkeypatch):
         load_rows(DataConfig(source=str(tmp_path / "rows.parquet"), seq_len=3), tokenizer, split=False)
     with pytest.raises(FileNotFoundError, match="no file matches"):
         load_rows(DataConfig(source=str(tmp_path / "*.missing")), tokenizer)
+
+
+def test_local_files_load_without_progress_bars(tmp_path, monkeypatch, capfd):
+    """`datasets`' "Downloading data", "Generating train split" and map bars are noise for files on disk: none is
+    printed, and its setting is as it was afterwards."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # a fresh cache: every step runs
+    (tmp_path / "a.txt").write_text("w1 w2 w3 w4")
+    with open(tmp_path / "b.jsonl", "w") as f:
+        f.write(json.dumps({"text": "w5 w6"}) + "\n")
+    disabled = datasets.are_progress_bars_disabled()
+    rows = load_rows(DataConfig(source=f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", seq_len=2), build_tokenizer(), False)
+    assert len(rows.heldout) == 4
+    assert capfd.readouterr().err == ""
+    assert datasets.are_progress_bars_disabled() == disabled
 
 
 def test_bad_rows_are_named_then_skipped_or_stop_the_run(tmp_path, monkeypatch):
@@ -606,3 +622,27 @@ def test_mixed_precision_follows_the_cpu_and_bf16_without_native_kernels_warns(m
         yaml.safe_load(path.read_text())["train"]["mixed_precision"] for path in (ROOT / "configs").glob("*.yaml")
     ]
     assert set(shipped) == {"auto"}
+
+
+def test_training_can_start_from_trained_heads_and_refuses_ones_of_another_shape(world, monkeypatch):
+    """heads.init_from: a run starts from a heads folder's weights (its untrained row is their alpha), and a
+    folder of another kind or shape is refused before training, by name."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    first = write_config(world, "start", **{"heads.exit_layers": [2], "train.max_steps": 6, "eval.every": 6})
+    train_in_process(first)
+    start = world["root"] / "start" / "heads"
+    config = write_config(world, "again", **{"heads.exit_layers": [2], "train.max_steps": 2, "eval.every": 2,
+                                             "heads.init_from": str(start), "train.lr": 1e-9})  # fmt: skip
+    train_in_process(config)
+    card = (world["root"] / "again" / "heads" / "README.md").read_text()
+    assert "start alpha" in card and "untrained alpha" not in card  # the baseline is the start, not fresh heads
+    adapter = ModelAdapter(AutoModelForCausalLM.from_pretrained(world["target"]))
+    before, after = load_heads(start, adapter), load_heads(world["root"] / "again" / "heads", adapter)
+    for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)  # lr 1e-9: the start's weights, kept
+    other = write_config(world, "other", **{"heads.exit_layers": [1, 3], "heads.init_from": str(start)})
+    with pytest.raises(ValueError, match="does not fit the heads this config builds"):
+        train_in_process(other)
+    medusa = write_config(world, "kind", **{"heads.kind": "medusa", "heads.init_from": str(start)})
+    with pytest.raises(ValueError, match="holds exit heads; the config trains medusa heads"):
+        train_in_process(medusa)

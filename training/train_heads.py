@@ -1,7 +1,8 @@
 """Train draft heads (exit heads or Medusa heads) on a frozen target by self-distillation.
 
-    accelerate launch --config_file configs/accelerate/cpu.yaml training/train_heads.py \
-        --config configs/train_heads_demo.yaml [--resume] [--overwrite] [--report_to none] [--train.lr 3e-4 ...]
+    accelerate launch --config_file configs/accelerate/cpu.yaml --num_cpu_threads_per_process 1 \
+        training/train_heads.py --config configs/train_heads_demo.yaml \
+        [--resume] [--overwrite] [--report_to wandb] [--train.lr 3e-4 ...]
 
 One forward of the frozen target per batch gives every hidden state and the target's logits; each draft
 (exit depth or Medusa head) learns KL(p || q) against the target's own distribution (selfspec/training/distill.py).
@@ -9,12 +10,13 @@ The rows of a step are a pure function of (seed, step, micro-step) and each proc
 them, so a resumed run continues exactly and N processes train what one process trains with the same
 total batch. Checkpoints (`accelerator.save_state`) are written to a temporary folder and renamed. The
 heads are written with a model card to `heads_dir`, which must not exist yet unless `--overwrite` (or
-`--resume` of the run that writes it) says to replace it; figures go to the tracker (W&B by default, offline
-without credentials), metrics.jsonl, the console and alpha_by_depth.png in `output_dir`.
+`--resume` of the run that writes it) says to replace it; figures go to metrics.jsonl, the console and
+alpha_by_depth.png in `output_dir`, and to W&B with `--report_to wandb` (offline without credentials).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -46,7 +48,7 @@ from selfspec.measure.profile import (
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.training.data import load_rows, row_tensor
+from selfspec.training.data import load_rows, mask_tensor, row_tensor
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass
 
 from common import (
@@ -88,6 +90,18 @@ def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
     """Untrained heads of the configured kind (`selfspec.heads.KINDS`; the config checked the name), with the
     draft-only LoRA when `lora.r` asks for one."""
     heads = KINDS[config.heads.kind].from_config(config.heads, adapter)
+    if config.heads.init_from is not None:  # start from trained heads of the same shape (fine-tuning)
+        start = load_heads(config.heads.init_from, adapter)
+        if type(start) is not type(heads):
+            raise ValueError(f"heads.init_from {config.heads.init_from} holds {start.kind} heads; the config trains "
+                             f"{heads.kind} heads")  # fmt: skip
+        try:
+            heads.load_state_dict(start.state_dict())
+        except RuntimeError as error:
+            raise ValueError(
+                f"heads.init_from {config.heads.init_from} does not fit the heads this config builds (compare its "
+                f"config.json with the config's heads section): {error}"
+            ) from error
     lc = config.lora
     if lc.r:  # peft builds the draft-only adapter on the LM head; its factors train with the heads
         heads.draft_lora = DraftLoRA.from_peft(
@@ -166,10 +180,18 @@ class Run:
         self.target_digest = state_digest(self.model)
         with accelerator.main_process_first():
             self.rows = load_rows(config.data, tokenizer)
+        facts = self.rows.summary
+        accelerator.print(
+            f"data: {facts['train_rows']} training rows of {facts['seq_len']} tokens "
+            f"({facts['train_documents']} documents), {facts['heldout_rows']} held out"
+        )
         set_seed(tc.seed)
         self.heads = build_heads(config, self.adapter).to(accelerator.device)
         self.baseline = load_baseline(config, self.adapter, self.heads)
-        objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits)
+        # with train.draft_vocab, q and p over its tokens (the vocabulary the heads will draft from)
+        self.vocab = self.adapter.draft_vocabulary(tc.draft_vocab) if tc.draft_vocab else None
+        objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits, self.vocab)
+        self.train_vocab = objective.vocab  # the target's logits over it only (None: the whole vocabulary)
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(objective, optimizer, scheduler)
@@ -182,6 +204,7 @@ class Run:
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
         self.eval_rows = row_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
+        self.eval_masks = mask_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
         if accelerator.is_main_process:
             save_config(config, self.out / "config.yaml")
 
@@ -192,12 +215,14 @@ class Run:
             return acc.reduce(totals, reduction="sum")
 
         shard = self.eval_rows[acc.process_index :: acc.num_processes]
+        masks = self.eval_masks[acc.process_index :: acc.num_processes]
         training, _ = heads.training, heads.eval()  # no dropout while evaluating (lora.dropout)
         try:
             with acc.autocast():
                 scores = evaluate(
-                    self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce
-                )
+                    self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce,
+                    vocabs={"heads": self.vocab}, masks=masks,
+                )  # fmt: skip
         finally:
             heads.train(training)
         return scores["heads"]
@@ -206,10 +231,12 @@ class Run:
         """Evaluate the heads on the held-out rows; log the figures to the tracker, metrics.jsonl and the plot."""
         acc, progress = self.accelerator, self.progress
         progress.trained = self.evaluate(self.heads)
-        rows = report_rows(self.heads, progress.untrained, progress.trained, costs, self.config.eval.max_gamma)
+        baseline = "start" if self.config.heads.init_from else "untrained"
+        max_gamma = self.config.eval.max_gamma
+        rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
         record = {"step": progress.step, "tokens_seen": progress.tokens_seen}
         for row in rows:
-            for key in ("alpha", "top1", "kl", "untrained_alpha", "c", "speedup"):
+            for key in ("alpha", "top1", "kl", "chain", "conditional", "untrained_alpha", "c", "speedup"):
                 if key in row:  # c and the speedup are measured on the main process only
                     record[f"eval/{key}/{row['draft']}"] = round(row[key], 5)
         record["eval/alpha_mean"] = sum(row["alpha"] for row in rows) / len(rows)
@@ -233,9 +260,12 @@ class Run:
             acc.init_trackers(lc.project, config=asdict(config), init_kwargs={"wandb": wandb})
             if acc.is_main_process:
                 progress.tracker_run_id = acc.get_tracker("wandb", unwrap=True).id
-        if progress.untrained is None:
-            progress.untrained = self.evaluate(self.heads.untrained_copy())
-        costs = measure(self.adapter, self.heads, self.eval_rows, config.eval) if acc.is_main_process else None
+        if progress.untrained is None:  # the baseline: fresh heads, or the heads.init_from start before any step
+            start = copy.deepcopy(self.heads) if config.heads.init_from else self.heads.untrained_copy()
+            progress.untrained = self.evaluate(start)
+        costs = (
+            measure(self.adapter, self.heads, self.eval_rows, config.eval, self.vocab) if acc.is_main_process else None
+        )
         rows = self.report(costs) if progress.step == 0 else None  # a resumed run reports at its next evaluation
         if rows is not None:
             acc.print(format_table(rows))
@@ -255,10 +285,11 @@ class Run:
             for micro in range(tc.gradient_accumulation_steps):
                 index = step_rows(len(self.rows.train), config, progress.step, micro, *self.process)
                 batch = row_tensor(self.rows.train, index).to(acc.device)  # [batch_size / processes, seq_len]
+                mask = mask_tensor(self.rows.train, index).to(acc.device)  # the positions to learn
                 with acc.autocast():
-                    hidden_states, logits = target_pass(self.model, batch)
+                    hidden_states, logits = target_pass(self.model, batch, self.adapter, self.train_vocab)
                 with acc.no_sync(self.objective) if micro < tc.gradient_accumulation_steps - 1 else nullcontext():
-                    loss = self.objective(hidden_states, logits).sum() / tc.gradient_accumulation_steps
+                    loss = self.objective(hidden_states, logits, mask).sum() / tc.gradient_accumulation_steps
                     acc.backward(loss)
                 loss_sum += loss.detach()
             self.check_finite(loss_sum, last_saved)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,6 +28,11 @@ class DraftVocabulary:
     bias: torch.Tensor | None  # [N]
     vocab_size: int
     scales: torch.Tensor | None = None  # [N] bfloat16 row scales of an int8 `weight`
+    compact: bool = False  # logits stay [..., N] (training's loss over the subset), not spread to [..., V]
+
+    def compacted(self) -> DraftVocabulary:
+        """The same rows, whose logits stay over the subset: [..., N], position k for token `ids[k]`."""
+        return replace(self, compact=True)
 
     @classmethod
     def from_lm_head(cls, lm_head: nn.Module, hidden_size: int, token_ids=None, quant: str | None = None):
@@ -86,8 +91,8 @@ class DraftVocabulary:
         return None if self.ids.numel() == self.vocab_size else self.ids
 
     def spread(self, partial: torch.Tensor) -> torch.Tensor:
-        """[..., N] logits of the subset -> [..., V] with -inf elsewhere."""
-        if self.rows is None:
+        """[..., N] logits of the subset -> [..., V] with -inf elsewhere (as they are when `compact`)."""
+        if self.rows is None or self.compact:
             return partial
         full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, partial)

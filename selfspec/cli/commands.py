@@ -11,8 +11,22 @@ from pathlib import Path
 import torch
 
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
-from ..measure.bench import category_report, markdown_table, plot_speedups, run_bench, summarize_by_category, write_json
-from ..measure.contenders import compiled_contenders, generate_contender, selfspec_contender, standard_contenders
+from ..measure.bench import (
+    category_report,
+    markdown_table,
+    plot_speedups,
+    position_table,
+    run_bench,
+    summarize_by_category,
+    write_json,
+)
+from ..measure.contenders import (
+    chain_contenders,
+    compiled_contenders,
+    generate_contender,
+    selfspec_contender,
+    standard_contenders,
+)
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
@@ -53,12 +67,24 @@ def run_bench_command(args: argparse.Namespace) -> int:
     )
     if args.compile:
         contenders += compiled_contenders(model, heads.get(MedusaHeads), heads.get(EagleHeads), vocab)
+    if args.chains:
+        try:
+            lengths = [int(k) for k in args.chains.split(",") if k.strip()]
+        except ValueError:
+            raise SystemExit(f"--chains takes comma-separated lengths such as 1,2,3; got {args.chains!r}") from None
+        if not lengths or min(lengths) < 1:
+            raise SystemExit(f"--chains takes chain lengths of 1 or more; got {args.chains!r}")
+        if heads.get(EagleHeads) is None:
+            raise SystemExit("--chains needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
+        contenders += chain_contenders(model, heads.get(EagleHeads), vocab, lengths)
     if args.only:
         wanted = [part.strip() for part in args.only.split(",") if part.strip()]
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in wanted)]
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)
+    if not by_category and any(row.get("proposed_per_position") for row in rows):
+        table += "\n\n" + position_table(rows)
     print(table)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -175,6 +201,11 @@ def run_tune_command(args: argparse.Namespace) -> int:
                   f"({measured[best.label] / top:.1%} of it)")  # fmt: skip
         if best.predicted <= 1.0:
             print("no configuration is predicted to beat plain decoding here; adaptive drafting will fall back to it")
+        if isinstance(best.tree, dict):  # an EAGLE tree: asked for per call, so the best chain is what gets written
+            written = next(choice for choice in choices if choice.tree is None)
+            print(f"an EAGLE head's default is a chain, so {written.label} is written; the tree is "
+                  f"SelfSpeculative(model, heads=..., tree={best.tree})")  # fmt: skip
+            best = written
         if not args.dry_run:
             apply_choice(draft_heads, best, position_cost)
             card_path = Path(path) / CARD_NAME

@@ -52,7 +52,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..heads import ExitHeads, default_exit_layers, load_heads
     from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from ..training.config import DataConfig, EvalConfig
-    from ..training.data import load_rows, row_tensor
+    from ..training.data import load_rows, mask_tensor, row_tensor
     from .options import check_plotting, set_threads, target_path
 
     check_plotting()
@@ -75,6 +75,7 @@ def run_profile(args: argparse.Namespace) -> int:
     data = DataConfig(source=source, text_field=args.text_field, seq_len=args.seq_len)
     heldout = load_rows(data, tokenizer, split=False).heldout
     rows_tensor = row_tensor(heldout, range(min(args.max_rows, len(heldout))))
+    masks = mask_tensor(heldout, range(min(args.max_rows, len(heldout))))  # chat: the answers only
     config = EvalConfig(
         max_rows=args.max_rows,
         batch_size=args.batch_size,
@@ -86,7 +87,7 @@ def run_profile(args: argparse.Namespace) -> int:
     vocab = None
     if args.draft_vocab or args.draft_quant:
         vocab = adapter.draft_vocabulary(args.draft_vocab, args.draft_quant)  # a JSON file's path, or None
-    rows = profile_heads(model, heads, rows_tensor, config, trained=trained, vocab=vocab)
+    rows = profile_heads(model, heads, rows_tensor, config, trained=trained, vocab=vocab, masks=masks)
     where = args.data or "the demo target's held-out files"
     print(f"{path}: {rows_tensor.shape[0]} rows of {args.seq_len} tokens from {where}")
     print(format_table(rows))
@@ -105,19 +106,40 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# `selfspec export`: the options each --format takes, and those it needs
+EXPORT_OPTIONS = {
+    "hf": (),
+    "eagle": ("heads", "engine"),
+    "eagle3": ("heads", "engine", "draft_vocab"),
+    "speculators": ("heads", "draft_vocab", "verifier"),
+}
+EXPORT_REQUIRED = {"eagle": ("heads",), "eagle3": ("heads",), "speculators": ("heads", "verifier")}
+
+
 def run_export(args: argparse.Namespace) -> int:
-    """`selfspec export`: load the model and its heads, write the checkpoint."""
+    """`selfspec export`: load the model (and its heads), write the folder."""
     from ..adapter import ModelAdapter
-    from ..export import export_eagle
+    from ..export import export_eagle, export_target
     from ..heads import load_heads
 
-    model, _ = load_cli_model(args.model, args.dtype)
+    given = {name: getattr(args, name) for name in ("heads", "engine", "draft_vocab", "verifier")}
+    problems = [f"needs --{name}" for name in EXPORT_REQUIRED.get(args.format, ()) if given[name] is None]
+    problems += [f"takes no --{name}" for name, value in given.items()
+                 if value is not None and name not in EXPORT_OPTIONS[args.format]]  # fmt: skip
+    if problems:
+        raise SystemExit(f"selfspec export: --format {args.format} {' and '.join(problems)}")
+    model, tokenizer = load_cli_model(args.model, args.dtype)
     try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
-        heads = load_heads(args.heads, ModelAdapter(model))
-        export_eagle(heads, model, args.output, args.format, args.engine, args.draft_vocab)
+        if args.format == "hf":
+            export_target(model, tokenizer, args.output)
+        else:
+            heads = load_heads(args.heads, ModelAdapter(model))
+            export_eagle(heads, model, args.output, args.format, args.engine, args.draft_vocab, args.verifier)
     except ValueError as error:
         raise SystemExit(f"selfspec export: {error}") from error
-    print(f"{args.format} checkpoint for {args.engine or 'vLLM and SGLang'}: {args.output}")
+    engines = args.engine or "vLLM and SGLang"
+    written = {"hf": "the target as a Hugging Face folder", "speculators": "speculators checkpoint for vLLM"}
+    print(f"{written.get(args.format, f'{args.format} checkpoint for {engines}')}: {args.output}")
     return 0
 
 

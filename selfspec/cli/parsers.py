@@ -129,6 +129,11 @@ def add_bench_parser(commands) -> None:
     )
     bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
     bench.add_argument(
+        "--chains",
+        help="also run the EAGLE head's greedy chains at these fixed lengths, e.g. 1,2,3,4,5 (the adaptive "
+        "controller off): tokens per pass and acceptance by position, which do not depend on the machine",
+    )
+    bench.add_argument(
         "--workload",
         choices=["prompts", "repeated"],
         default="prompts",
@@ -205,18 +210,35 @@ def add_export_parser(commands) -> None:
     export = add_command(
         commands,
         "export",
-        help="write an EAGLE heads folder as a vLLM / SGLang EAGLE draft checkpoint (Llama targets)",
+        help="write the target as a Hugging Face folder (--format hf), or an EAGLE heads folder as a vLLM / SGLang "
+        "EAGLE draft checkpoint (Llama targets)",
         formatter_class=HelpFormatter,
     )
     export.add_argument("--model", required=True, help=f"the target: {TARGET_CHOICES}")
-    export.add_argument("--heads", required=True, help="a trained EAGLE heads folder for the model")
-    export.add_argument("--format", required=True, choices=["eagle", "eagle3"], help="EAGLE-1 or EAGLE-3 checkpoint")
+    export.add_argument(
+        "--format",
+        required=True,
+        choices=["hf", "eagle", "eagle3", "speculators"],
+        help="hf: the target's weights (dequantized from GGUF), config, generation config and tokenizer; eagle / "
+        "eagle3: an EAGLE-1 / EAGLE-3 draft checkpoint; speculators: the EAGLE-3 checkpoint in vLLM's speculators "
+        "format, naming --verifier, so that `vllm serve OUTPUT` serves target and draft",
+    )
+    export.add_argument("--heads", help="eagle, eagle3, speculators: a trained EAGLE heads folder for the model")
     export.add_argument(
         "--engine",
         choices=["vllm", "sglang"],
-        help="the engine whose names and aux layer ids to write (required for eagle, and for eagle3 heads on "
-        "other layers than EAGLE's default)",
+        help="eagle, eagle3: the engine whose names and aux layer ids to write (required for eagle, and for eagle3 "
+        "heads on other layers than EAGLE's default)",
     )
-    export.add_argument("--draft_vocab", help="eagle3: a JSON file of token ids the draft's LM head keeps")
-    export.add_argument("--dtype", default="auto", help="the weights' dtype: float32 | bfloat16 | float16 | auto")
-    export.add_argument("--output", required=True, help="the checkpoint folder to write")
+    export.add_argument("--draft_vocab", help="eagle3, speculators: a JSON file of token ids the draft's LM head keeps")
+    export.add_argument(
+        "--verifier",
+        help="speculators: the target vLLM serves, its folder (written by --format hf) or a hub name",
+    )
+    export.add_argument(
+        "--dtype",
+        default="auto",
+        help="the weights' dtype: float32 | bfloat16 | float16 | auto (default: auto, the checkpoint's own; float32 "
+        "for a GGUF file such as smollm2-135m-instruct's)",
+    )
+    export.add_argument("--output", required=True, help="the folder to write")

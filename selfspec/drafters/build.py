@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 
 from ..adapter import DraftVocabulary, ModelAdapter
-from ..engine.drafter import Drafter
+from ..engine.drafter import Drafter, Drafters
 from ..heads import DraftHeads, EagleHeads, ExitHeads, MedusaHeads
 from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
@@ -35,7 +35,7 @@ def build_drafters(
     vocab: DraftVocabulary | None,
     confidence: float | None,
     ngram_options: dict,
-) -> list[Drafter]:
+) -> Drafters:
     """The drafters of a `SelfSpeculative` (see its `drafter` argument), in order of preference. Raises
     ValueError for settings that do not apply to the chosen drafters."""
     model_options = {"heads": heads, "exit_layer": exit_layer, "tree": tree, "draft_vocab / draft_quant": vocab}
@@ -80,7 +80,7 @@ def build_drafters(
             drafters.append(MODEL_FREE[name](**(ngram_options if name == "ngram" else {})))
     if len(drafters) > 1 and any(part.tree is not None for part in drafters):
         raise ValueError("A tree drafter drafts alone: combine chains only (tree=[] drafts a Medusa chain).")
-    return drafters
+    return Drafters(drafters)
 
 
 def model_drafter(adapter, heads, exit_layer, tree, vocab, confidence) -> Drafter:

@@ -181,6 +181,22 @@ class Drafter(ABC):
         return target_pass(target, state, tokens, hidden_layers, mask, positions)
 
 
+class Drafters(tuple):
+    """The drafters of a wrapper in order of preference (`SelfSpeculative.drafters`): a tuple whose repr names each
+    one, e.g. `Drafters('ngram', 'eagle')`. An attribute of one drafter read on all of them says which to pick."""
+
+    def __repr__(self) -> str:
+        return f"Drafters({', '.join(repr(part.name) for part in self)})"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{self!r} are {len(self)} drafters, each with its own {name!r}: read it on one of them, "
+            f"e.g. spec.drafters[{len(self) - 1}].{name} (the {self[-1].name} drafter)."
+        )
+
+
 def target_pass(
     target, state: DecodeState, tokens: torch.Tensor, hidden_layers=(), attention_mask=None, positions=None
 ):

@@ -11,7 +11,7 @@ import torch
 from ..adapter import ModelAdapter
 from .adaptive import DraftController, PositionCost, choose_drafter
 from .call import Call
-from .drafter import Draft, Drafter, Verified, check_draft, pick, target_pass
+from .drafter import Draft, Drafter, Drafters, Verified, check_draft, pick, target_pass
 from .generation import (
     GenerationSetup,
     UnsupportedGenerationArgument,
@@ -32,7 +32,7 @@ class DecodingLoop:
     hidden states they read, and how gamma is chosen."""
 
     adapter: ModelAdapter  # the target (a `CompiledAdapter` with compile=True)
-    drafters: list[Drafter]
+    drafters: Drafters  # every drafter in use, in order of preference (a tuple)
     draft_limits: list[int]  # each drafter's gamma (0: plain decoding)
     num_draft_tokens: int  # the largest of them
     hidden_layers: tuple  # the target hidden states any drafter reads
@@ -43,9 +43,9 @@ class DecodingLoop:
     stats: GenerationStats | None  # what the last call did
 
     @property
-    def drafter(self) -> Drafter:
-        """The drafter (with several, the last: the heads' drafter in a hybrid)."""
-        return self.drafters[-1]
+    def drafter(self) -> Drafter | Drafters:
+        """The drafter in use; with several (a hybrid), all of them: `drafters`, whose repr names each one."""
+        return self.drafters[0] if len(self.drafters) == 1 else self.drafters
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
@@ -82,7 +82,7 @@ class DecodingLoop:
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
-        tree = self.drafter.tree if self.num_draft_tokens else None
+        tree = self.drafters[0].tree if self.num_draft_tokens else None  # a tree drafter drafts alone
         measured = None
         if self.adaptive and tree is None:
             costs = [part.estimated_cost() for part in self.drafters[:-1]] + [self.draft_cost]
@@ -164,7 +164,7 @@ class DecodingLoop:
         """One tree iteration: the drafter's candidate tree (Medusa's fixed shape, or a dynamic one), one verify
         pass with a tree mask, the longest accepted path committed and the cache rearranged to it. Returns True
         when done."""
-        state, setup, drafter = call.state, call.setup, self.drafter
+        state, setup, drafter = call.state, call.setup, self.drafters[0]  # a tree drafter drafts alone
         with call.watch.section("draft"):
             if not drafter.available(state):  # nothing to propose (a suffix tree without a match): a plain step
                 return self.speculative_step(call, None, 0)
@@ -239,7 +239,7 @@ class DecodingLoop:
             raise UnsupportedGenerationArgument(
                 "`output_scores` / `output_logits` are supported for one prompt at a time."
             )
-        if self.drafter.tree is not None:
+        if self.drafters[0].tree is not None:
             raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
 
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):

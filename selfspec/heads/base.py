@@ -9,7 +9,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class DraftSetting:
     per_call: int  # ... and the draft tokens that call gives: c = Costs.c(timed) / per_call
     upper: float  # the share of the layers that a verify pass runs for its extra positions
     tree_depth: int = 0  # the deepest candidate tree it drafts (0: chains only)
+    dynamic_trees: tuple[dict, ...] = ()  # EAGLE-2 tree shapes ({nodes, top_k, depth}) to measure
 
 
 @dataclass
@@ -179,14 +181,25 @@ class DraftHeads(nn.Module):
 
 
 def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], card: str, metadata: dict) -> None:
-    """config.json, model.safetensors (with `metadata`) and README.md into a staging folder renamed to `path`:
-    a crash leaves the old folder or the new one."""
+    """config.json, model.safetensors (with `metadata`) and README.md, written atomically (`staged_folder`)."""
+    with staged_folder(path) as staging:
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
+        (staging / CARD_NAME).write_text(card)
+
+
+@contextmanager
+def staged_folder(path: Path) -> Iterator[Path]:
+    """A staging folder beside `path` to write into, renamed to `path` when the block ends without an error (removed
+    when it raises): a crash leaves the old folder or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private (0700); a heads folder is made like any other
-    (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
-    (staging / CARD_NAME).write_text(card)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging)
+        raise
     if path.exists():
         retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
         os.replace(path, retired / path.name)

@@ -25,6 +25,10 @@ from ..engine.adaptive import expected_tokens
 from .base import Costs, Draft, DraftHeads, DraftSetting, HeadsMismatchError, on_target
 
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j
+# the dynamic tree shapes `selfspec tune` measures: budgets of nodes verified per pass, and how wide and deep
+TUNED_TREES = tuple(
+    {"nodes": n, "top_k": k, "depth": d} for n, k, d in ((4, 2, 3), (6, 2, 4), (8, 3, 4), (12, 3, 5), (16, 4, 6))
+)
 
 
 def unrolled_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -173,10 +177,11 @@ class EagleHeads(DraftHeads):
         return table
 
     def draft_settings(self, num_layers: int, max_gamma: int) -> list[DraftSetting]:
-        return [DraftSetting("eagle", "eagle chain", {}, max_gamma, "eagle_0", 1, 1.0)]
+        return [DraftSetting("eagle", "eagle chain", {}, max_gamma, "eagle_0", 1, 1.0, dynamic_trees=TUNED_TREES)]
 
     def set_defaults(self, options: dict) -> None:
-        """Nothing beyond gamma (`num_draft_tokens`) to record: the head drafts chains only."""
+        """Nothing beyond gamma (`num_draft_tokens`) to record: the head's default is a chain. A dynamic tree
+        is asked for per call (`tree=`): trees draft one prompt at a time, alone and uncompiled."""
 
     def description(self) -> str:
         fed = f"decoder layers {self.feature_layers}" if self.feature_layers else "last hidden state"

@@ -254,6 +254,9 @@ def _acceptance(contender: Contender, step: float | None) -> dict:
         "alpha": statistics.fmean(alphas) if alphas else None,
         "tokens_per_pass": total["new_tokens"] / total["row_passes"],
         "gamma": total["proposed"] / total["iterations"] if total["iterations"] else 0.0,
+        "fixed_gamma": contender.spec is not None and not contender.spec.adaptive,
+        "accepted_per_position": total.get("accepted_per_position", []),
+        "proposed_per_position": total.get("proposed_per_position", []),
     }
     if step and total["iterations"]:
         passes = total["iterations"]
@@ -330,6 +333,31 @@ def write_json(rows: list[dict], path: str | Path, meta: dict) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n", encoding="utf-8")
 
 
+def position_table(rows: list[dict], max_positions: int = 8) -> str:
+    """Markdown: per selfspec contender, tokens per pass and its acceptance at draft positions 1, 2, ...:
+    unconditional (accepted / proposed there: every earlier draft was accepted too) and, in brackets for
+    fixed gamma, conditional (given the draft before it was accepted; with adaptive gamma an iteration may
+    stop before a position, so the ratio would not be that probability)."""
+    rows = [row for row in rows if row.get("proposed_per_position")]
+    width = min(max_positions, max(len(row["proposed_per_position"]) for row in rows)) if rows else 0
+    lines = [
+        "| contender | tokens/pass | " + " | ".join(f"position {k + 1}" for k in range(width)) + " |",
+        "|---|---:|" + "---:|" * width,
+    ]
+    for row in rows:
+        accepted, proposed = row["accepted_per_position"], row["proposed_per_position"]
+        cells = []
+        for k in range(width):
+            if k >= len(proposed) or not proposed[k]:
+                cells.append("-")
+                continue
+            given = accepted[k - 1] if k else proposed[k]
+            conditional = f" ({accepted[k] / given:.2f})" if k and given and row.get("fixed_gamma") else ""
+            cells.append(f"{accepted[k] / proposed[k]:.3f}{conditional}")
+        lines.append(f"| {row['contender']} | {row['tokens_per_pass']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def summarize_by_category(contenders: list[Contender], prompts: list[ChatPrompt]) -> dict[str, list[dict]]:
     """`summarize` over each category's prompts alone, then over all of them (`overall`)."""
     by_category = {}
@@ -347,6 +375,11 @@ def category_report(by_category: dict[str, list[dict]], prompts: list[ChatPrompt
     parts = [f"### {category} ({counts[category]} prompts)\n\n{markdown_table(rows)}" for category, rows in
              by_category.items()]  # fmt: skip
     parts.append("### speedup by category\n\n" + speedup_table(by_category))
+    if any(row.get("proposed_per_position") for row in by_category[OVERALL]):
+        parts.append(
+            "### acceptance by draft position, overall: accepted / proposed (given the earlier position)\n\n"
+            + position_table(by_category[OVERALL])
+        )
     return "\n\n".join(parts)
 
 

@@ -83,7 +83,7 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
         return spec.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, **settings)
 
     plain = options.get("num_draft_tokens") == 0
-    tree = spec.drafter.tree is not None
+    tree = any(part.tree is not None for part in spec.drafters)
     return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree, compiled=spec.compiled)
 
 
@@ -219,3 +219,23 @@ def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float |
         field_.append(selfspec_contender(model, f"selfspec eagle T={temperature}{suffix}", True, temperature,
                                          heads=heads, draft_vocab=draft_vocab))  # fmt: skip
     return field_
+
+
+def chain_contenders(model, heads: EagleHeads, draft_vocab, lengths: list[int]) -> list[Contender]:
+    """An EAGLE head's greedy chains of a fixed length each (the adaptive controller off): their tokens per
+    pass and acceptance by position depend on the head and the prompts, not on the machine."""
+    if heads is None:
+        raise ValueError("--chains needs EAGLE heads (the bundled head, or --heads with an EAGLE head)")
+    return [
+        selfspec_contender(
+            model,
+            f"selfspec eagle chain {k} (fixed)",
+            False,
+            1.0,
+            heads=heads,
+            draft_vocab=draft_vocab,
+            num_draft_tokens=k,
+            adaptive=False,
+        )  # fmt: skip
+        for k in lengths
+    ]

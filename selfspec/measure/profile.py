@@ -23,7 +23,8 @@ from ..training.distill import score_sums, target_pass
 from .bench import markdown_table
 from .costs import measure_costs
 
-METRICS = ("kl", "alpha", "top1")
+METRICS = ("kl", "alpha", "top1", "chain")
+COLUMNS = {"kl": 0, "alpha": 1, "top1": 2, "chain": 4}  # of `score_sums`; column 3 counts the positions
 
 
 # ---------------------------------------------------------------------------------------- evaluate
@@ -38,24 +39,28 @@ def evaluate(
     batch_size: int,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     vocabs: dict[str, DraftVocabulary] | None = None,
+    masks: torch.Tensor | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Mean KL, alpha and top-1 agreement per draft of each heads set, {label: {draft: {metric: value}}},
-    from one target forward per batch of `rows`; `reduce` sums the totals over processes; `vocabs` gives a
-    set's draft LM head (reduced or int8) by label."""
+    """Mean KL, alpha, top-1 agreement and chain agreement (`score_sums`) per draft of each heads set,
+    {label: {draft: {metric: value}}}, from one target forward per batch of `rows`, over the positions that
+    `masks` marks (all without them); `reduce` sums the totals over processes; `vocabs` gives a set's draft
+    LM head (reduced or int8) by label."""
     totals = {label: None for label in heads}
     device = adapter.device
-    for batch in rows.split(batch_size):
+    mask_batches = masks.split(batch_size) if masks is not None else [None] * len(rows.split(batch_size))
+    for batch, mask in zip(rows.split(batch_size), mask_batches, strict=True):
         hidden_states, logits = target_pass(model, batch.to(device))
+        mask = mask.to(device) if mask is not None else None
         for label, h in heads.items():
-            sums = score_sums(h, adapter, hidden_states, logits, (vocabs or {}).get(label))
+            sums = score_sums(h, adapter, hidden_states, logits, (vocabs or {}).get(label), mask)
             totals[label] = sums if totals[label] is None else totals[label] + sums
     result = {}
     for label, h in heads.items():
-        sums = totals[label] if totals[label] is not None else torch.zeros(len(h.draft_names()), 4, device=device)
+        sums = totals[label] if totals[label] is not None else torch.zeros(len(h.draft_names()), 5, device=device)
         if reduce is not None:
             sums = reduce(sums)
         result[label] = {
-            name: {metric: (row[i] / row[3].clamp(min=1)).item() for i, metric in enumerate(METRICS)}
+            name: {metric: (row[COLUMNS[metric]] / row[3].clamp(min=1)).item() for metric in METRICS}
             for name, row in zip(h.draft_names(), sums, strict=True)
         }
     return result
@@ -87,15 +92,19 @@ def profile_heads(
     config: EvalConfig,
     trained: bool = True,
     vocab: DraftVocabulary | None = None,
+    masks: torch.Tensor | None = None,
 ):
-    """Report rows (see `report_rows`) for `heads` on held-out `rows`: untrained and (if `trained`) these heads,
-    measured c and the predicted speedup; with a draft LM head `vocab` (reduced or int8), also alpha, top-1
-    and c of the heads drafting through it (`draft_alpha`, `draft_top1`, `draft_c`): the alpha / c trade-off."""
+    """Report rows (see `report_rows`) for `heads` on held-out `rows` (at the positions `masks` marks: a chat's
+    answers), untrained and (if `trained`) these heads, measured c and the predicted speedup; with a draft LM
+    head `vocab` (reduced or int8), also alpha, top-1 and c of the heads drafting through it (`draft_alpha`,
+    `draft_top1`, `draft_c`): the alpha / c trade-off."""
     adapter = ModelAdapter(model)
     sets = {"untrained": heads.untrained_copy(), "trained": heads} if trained else {"untrained": heads}
     if vocab is not None:
         sets["draft head"] = heads
-    scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab})
+    masks = masks[: config.max_rows] if masks is not None else None
+    scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab},
+                      masks=masks)  # fmt: skip
     costs = measure(adapter, heads, rows, config)
     result = report_rows(heads, scores["untrained"], scores.get("trained"), costs, config.max_gamma)
     if vocab is not None:
@@ -115,16 +124,22 @@ def report_rows(
     trained: dict[str, dict[str, float]] | None,
     costs: Costs | None,
     max_gamma: int,
+    baseline: str = "untrained",
 ) -> list[dict]:
-    """One row per draft: its depth (exit layer or Medusa head), untrained and trained figures, c, gamma, S."""
+    """One row per draft: its depth (exit layer or Medusa head), untrained and trained figures, c, gamma, S.
+    `baseline` names what the untrained figures are of ("start" for heads that training started from)."""
     best = trained or untrained
     speed = heads.speedups({n: s["alpha"] for n, s in best.items()}, costs, max_gamma) if costs else {}
     rows = []
     for name in heads.draft_names():
-        row = {"draft": name, "depth": int(name.rsplit("_", 1)[1])}
-        row.update({f"untrained_{metric}": untrained[name][metric] for metric in METRICS})
+        row = {"draft": name, "depth": int(name.rsplit("_", 1)[1]), "baseline": baseline}
+        # .get: a checkpoint written before a metric existed holds its baseline without it
+        row.update({f"untrained_{metric}": untrained[name].get(metric, float("nan")) for metric in METRICS})
         if trained is not None:
             row.update({metric: trained[name][metric] for metric in METRICS})
+            # greedy acceptance of draft j given drafts 1..j-1 were accepted (the chain's agreement ratio)
+            before = rows[-1]["chain"] if rows else 1.0
+            row["conditional"] = row["chain"] / before if before > 0 else 0.0
         row.update(speed.get(name, {}))
         rows.append(row)
     return rows
@@ -132,10 +147,13 @@ def report_rows(
 
 def format_table(rows: list[dict]) -> str:
     """The rows as an aligned console / Markdown table."""
-    columns = [("draft", "draft", "{}"), ("untrained_alpha", "untrained alpha", "{:.3f}")]
-    columns += [("untrained_top1", "untrained top-1", "{:.3f}")]
+    baseline = rows[0].get("baseline", "untrained") if rows else "untrained"
+    columns = [("draft", "draft", "{}"), ("untrained_alpha", f"{baseline} alpha", "{:.3f}")]
+    columns += [("untrained_top1", f"{baseline} top-1", "{:.3f}")]
     if rows and "alpha" in rows[0]:
         columns += [("alpha", "trained alpha", "{:.3f}"), ("top1", "trained top-1", "{:.3f}"), ("kl", "KL", "{:.3f}")]
+        if not rows[0]["draft"].startswith("exit"):  # drafts that form a chain: its greedy acceptance by depth
+            columns += [("chain", "chain top-1", "{:.3f}"), ("conditional", "top-1 given the earlier", "{:.3f}")]
     if rows and "c" in rows[0]:
         columns += [("c", "c", "{:.3f}"), ("gamma", "best gamma", "{}"), ("speedup", "predicted speedup", "{:.2f}x")]
     if rows and "draft_alpha" in rows[0]:
@@ -159,7 +177,8 @@ def plot_alpha(rows: list[dict], path: str | os.PathLike, title: str = "") -> No
     medusa = rows[0]["draft"].startswith("medusa")
     depths = [row["depth"] for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(depths, [row["untrained_alpha"] for row in rows], "o--", label="untrained: alpha")
+    baseline = rows[0].get("baseline", "untrained")
+    axes.plot(depths, [row["untrained_alpha"] for row in rows], "o--", label=f"{baseline}: alpha")
     if "alpha" in rows[0]:
         axes.plot(depths, [row["alpha"] for row in rows], "o-", label="trained: alpha")
         axes.plot(depths, [row["top1"] for row in rows], "x:", label="trained: top-1 agreement (greedy)")

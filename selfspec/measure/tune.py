@@ -51,7 +51,7 @@ class Choice:
     chain: str  # what tables call its chains: exit <k> | medusa chain
     selects: dict  # the SelfSpeculative arguments that select these chains
     gamma: int  # drafts per iteration (a tree's node count)
-    tree: list[list[int]] | None
+    tree: list[list[int]] | dict | None  # Medusa: paths of ranks; EAGLE: a dynamic tree's shape
     tokens_per_pass: float  # E
     cost: float  # v + gamma c (a tree: v(nodes) + depth c)
     c: float
@@ -68,6 +68,9 @@ class Choice:
 
     @property
     def label(self) -> str:
+        if isinstance(self.tree, dict):
+            shape = self.tree
+            return f"{self.draft} tree of {shape['nodes']} nodes (top-{shape['top_k']}, depth {shape['depth']})"
         if self.tree is not None:
             return f"{self.draft} tree of {len(self.tree)} nodes"
         return f"{self.chain}, gamma {self.gamma}"
@@ -119,6 +122,7 @@ def tune(
     adapter = ModelAdapter(model)
     settings = heads.draft_settings(adapter.num_layers, max_gamma)
     sizes = [s.max_gamma for s in settings] + [len(tree) for s in settings for tree in candidate_trees(s.tree_depth)]
+    sizes += [shape["nodes"] for s in settings for shape in s.dynamic_trees]
     longest = max(sizes)  # the most drafts one verify pass covers
     reference = model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), do_sample=False,
                                max_new_tokens=max(longest + 2, 16))  # fmt: skip
@@ -134,17 +138,18 @@ def tune(
             tokens, v = 1 + sum(accepted[:gamma]), 1 + setting.upper * (costs.v(gamma) - 1)
             choices.append(Choice(setting.name, setting.label, setting.options, gamma, None, tokens, v + gamma * c,
                                   c, v))  # fmt: skip
-        trees = candidate_trees(setting.tree_depth)
+        trees = candidate_trees(setting.tree_depth) + list(setting.dynamic_trees)
         if trees:
             plain = run_prompts(SelfSpeculative(model, num_draft_tokens=0), prompts, max_new_tokens, do_sample)
             plain_pass = plain["total_seconds"] / plain["target_passes"]
-        for tree in trees:
+        for tree in trees:  # tokens per pass and the time per pass, measured in the loop with v as it is here
             spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab)
             stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
-            depth = max(len(path) for path in tree)
+            depth = tree["depth"] if isinstance(tree, dict) else max(len(path) for path in tree)
             tokens = stats["new_tokens"] / stats["row_passes"]
             cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
-            choices.append(Choice(setting.name, setting.label, {}, len(tree), tree, tokens, cost, c, cost - depth * c))
+            nodes = tree["nodes"] if isinstance(tree, dict) else len(tree)
+            choices.append(Choice(setting.name, setting.label, {}, nodes, tree, tokens, cost, c, cost - depth * c))
     if tuple(batch_sizes) == (1,):
         position_cost = statistics.median(position_cost_from(costs.v(g), g) for g in range(1, longest + 1))
     else:

@@ -184,9 +184,11 @@ class DataConfig:
     seq_len: int = 256  # tokens per packed row (documents joined by the EOS token, then cut)
     max_documents: int | None = None  # read at most this many training documents (None: all)
     bad_rows: str = "stop"  # a json/jsonl/parquet row without usable text: stop (naming file and row) or skip it
+    loss_on: str = "answers"  # chat rows: learn the assistant turns only (answers) or every token (all)
 
     def __post_init__(self):
         _one_of("data.bad_rows", self.bad_rows, ("stop", "skip"))
+        _one_of("data.loss_on", self.loss_on, ("answers", "all"))
         if not self.source.strip() or self.source.strip() == "hub:":
             raise ValueError("data.source must give file globs or hub:<data set name>")
         if self.heldout_files is None and not 0.0 < self.heldout_fraction < 1.0:
@@ -208,6 +210,7 @@ class HeadsConfig:
     unroll: int = 3  # eagle: training steps per position, the head fed its own outputs (loss weight 0.8^step)
     layout: str = "eagle"  # eagle: fc([token; feature]) into one decoder layer (EAGLE-1); eagle3: EAGLE-3's layer
     num_draft_tokens: int | None = None  # gamma recorded in the heads config; None: selfspec's default
+    init_from: str | None = None  # a heads folder of the same shape whose weights training starts from
 
     def __post_init__(self):
         _one_of("heads.kind", self.kind, tuple(KINDS))
@@ -251,6 +254,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     loss: str = "kl"  # kl: KL(p || q); soft_ce: -sum p log q (same gradient, offset by the entropy of p)
     recompute_logits: bool = False  # recompute each draft's logits in backward: less memory for large vocabularies
+    draft_vocab: str | None = None  # token-id JSON: q and the target's p both over these tokens (EAGLE-3's reduced
+    # vocabulary; drafts then use the same draft_vocab); None: the whole vocabulary
     mixed_precision: str = "auto"  # auto | bf16 | fp16 | no; auto = bf16 where the CPU or GPU has it
     num_threads: int | None = None  # torch.set_num_threads (1 on a busy CPU); None keeps torch's choice
     checkpoint_every: int = 200  # steps between checkpoints (one is always written at the end)
@@ -283,7 +288,7 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    report_to: str = "wandb"  # wandb | none (--report_to none on the command line)
+    report_to: str = "none"  # none | wandb: a W&B run only when asked (--report_to wandb on the command line)
     project: str = "selfspec-heads"  # tracker project
     run_name: str | None = None  # tracker run name; None: the heads folder's name
     wandb_mode: str = "auto"  # auto: online with credentials and a reachable server, else offline | online | offline

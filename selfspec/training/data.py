@@ -1,17 +1,25 @@
 """Training and held-out text for draft heads: local files by glob (text files are one document each,
-`.jsonl`/`.json` one per row, `.parquet` one per row, with a text field or chat `messages` rendered by the
-tokenizer's chat template) or a hub data set, read with `datasets`, tokenised with the target's tokenizer,
-joined by EOS and cut into rows of a fixed length; a held-out split by file or by a seeded fraction of the
-documents. Rows without usable text stop the run naming file and row, or are skipped (`data.bad_rows`).
+`.jsonl`/`.json` one per row, also gzip-compressed as `.jsonl.gz`/`.json.gz`, `.parquet` one per row, with a
+text field or chat `messages` rendered by the tokenizer's chat template) or a hub data set, read with
+`datasets`, tokenised with the target's tokenizer, joined by EOS and cut into rows of a fixed length; a
+held-out split by file or by a seeded fraction of the documents. Rows without usable text stop the run naming
+file and row, or are skipped (`data.bad_rows`).
+
+Each row carries a `loss_mask` beside its `input_ids`: 1 at the positions whose next token is one to learn.
+Plain text teaches every token; chat teaches the assistant turns only (`data.loss_on: answers`, the turn's
+text and its end-of-turn tokens), so the heads learn what the model answers, not what users ask.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import sysconfig
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,19 +51,41 @@ def expand_globs(patterns: str, exclude: str | None = None, required: bool = Tru
     return list(found)
 
 
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """`datasets`' progress bars off, then as they were: for files already on disk, its "Downloading data",
+    "Generating train split" and per-map bars are noise. `HF_DATASETS_DISABLE_PROGRESS_BARS`, where set, decides."""
+    if datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None or datasets.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
+
+
 def _render(rows: datasets.Dataset, config: DataConfig, tokenizer, origin: str) -> datasets.Dataset:
-    """A dataset with one `text` column: the text field, or chat messages through the chat template."""
+    """A dataset of `text` and `spans`, the [start, end) character spans to learn: the text field (all of
+    it), or chat messages through the chat template (the assistant turns, or all with `data.loss_on: all`)."""
     if config.messages_field in rows.column_names:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{origin} has chat `{config.messages_field}` but the tokenizer has no chat template")
 
         def render(batch):
-            return {"text": [tokenizer.apply_chat_template(m, tokenize=False) for m in batch[config.messages_field]]}
+            texts, spans = [], []
+            for messages in batch[config.messages_field]:
+                text = tokenizer.apply_chat_template(messages, tokenize=False)
+                texts.append(text)
+                spans.append(
+                    _answer_spans(tokenizer, messages, text) if config.loss_on == "answers" else [[0, len(text)]]
+                )
+            return {"text": texts, "spans": spans}
 
     elif config.text_field in rows.column_names:
 
         def render(batch):
-            return {"text": batch[config.text_field]}
+            return {"text": batch[config.text_field], "spans": [[[0, len(text)]] for text in batch[config.text_field]]}
 
     else:
         raise ValueError(
@@ -65,11 +95,29 @@ def _render(rows: datasets.Dataset, config: DataConfig, tokenizer, origin: str) 
     return rows.map(render, batched=True, remove_columns=rows.column_names)
 
 
+def _answer_spans(tokenizer, messages: list[dict], text: str) -> list[list[int]]:
+    """The character spans of the assistant turns in the rendered conversation `text`: from the end of the
+    conversation before the turn (with the generation prompt) to the end of the conversation up to it."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError(
+                "the chat template does not render a conversation's turns as prefixes of it, so its answers cannot "
+                "be told apart from its prompts: set data.loss_on: all to learn every token"
+            )
+        spans.append([len(before), len(through)])
+    return spans
+
+
 def load_documents(files: list[str], config: DataConfig, tokenizer) -> datasets.Dataset:
     """One row per document (`text`) from local files, grouped by format."""
     groups: dict[str, list[str]] = {}
     for path in files:
-        suffix = Path(path).suffix.lower()
+        suffix = Path(path.lower().removesuffix(".gz")).suffix
         kind = "json" if suffix in JSON_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else "text"
         groups.setdefault(kind, []).append(path)
     parts = []
@@ -90,16 +138,17 @@ def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
     if kind == "parquet":
         records = datasets.load_dataset("parquet", data_files=path, split="train").to_list()
         label = "row"
-    elif path.lower().endswith(".jsonl"):
+    elif path.lower().removesuffix(".gz").endswith(".jsonl"):
         records, label = [], "line"
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with _open_text(path) as f:
             for line in f:
                 try:
                     records.append(json.loads(line) if line.strip() else None)
                 except json.JSONDecodeError as error:
                     records.append(f"not JSON ({error.msg})")
     else:
-        records, label = json.loads(Path(path).read_text(encoding="utf-8")), "item"
+        with _open_text(path) as f:
+            records, label = json.load(f), "item"
         records = records if isinstance(records, list) else [records]
     kept, bad = [], []
     for number, record in enumerate(records, 1):
@@ -120,6 +169,13 @@ def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
     return datasets.Dataset.from_list(kept)
 
 
+def _open_text(path: str):
+    """A text file, or a gzip-compressed one by its `.gz` name, as UTF-8 with bad bytes replaced."""
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
 def _row_problem(record, config: DataConfig) -> str | None:
     if not isinstance(record, dict):
         return f"not an object ({type(record).__name__})"
@@ -131,25 +187,48 @@ def _row_problem(record, config: DataConfig) -> str | None:
 
 
 def pack_documents(documents: datasets.Dataset, tokenizer, seq_len: int) -> datasets.Dataset:
-    """Token rows of exactly `seq_len` (`input_ids`): documents tokenised, each ended by EOS, concatenated
-    and cut (the remainder of each block of 1000 documents is dropped)."""
+    """Token rows of exactly `seq_len` (`input_ids`, `loss_mask`): documents tokenised, each ended by EOS,
+    concatenated and cut (the remainder of each block of 1000 documents is dropped). `loss_mask[t]` is 1 where
+    token t+1 lies in one of its document's `spans` (the EOS that ends a document counts where its last span
+    reaches the document's end)."""
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token to separate packed documents")
+    fast = getattr(tokenizer, "is_fast", False)  # offsets place the tokens to learn; else every token is learnt
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
-        # a chat template may already start with BOS, which the tokenizer then adds a second time
-        ids = [x[1:] if bos is not None and x[:2] == [bos, bos] else x for x in ids]
-        return {"ids": [x if x[-1:] == [eos] else x + [eos] for x in ids]}
+        encoded = tokenizer(batch["text"], add_special_tokens=True, return_offsets_mapping=fast)
+        all_ids, all_learn = [], []
+        if not fast:
+            if any(spans != [[0, len(text)]] for spans, text in zip(batch["spans"], batch["text"], strict=True)):
+                raise ValueError("learning the answers only (data.loss_on: answers) needs a fast tokenizer, whose "
+                                 "offsets place them; set data.loss_on: all with this one")  # fmt: skip
+            encoded["offset_mapping"] = [[(0, 0)] * len(ids) for ids in encoded["input_ids"]]  # all in [0, len)
+        for ids, offsets, spans, text in zip(
+            encoded["input_ids"], encoded["offset_mapping"], batch["spans"], batch["text"], strict=True
+        ):
+            # a chat template may already start with BOS, which the tokenizer then adds a second time
+            if bos is not None and ids[:2] == [bos, bos]:
+                ids, offsets = ids[1:], offsets[1:]
+            learn = [any(a <= start < b for a, b in spans) for start, _ in offsets]
+            if ids[-1:] != [eos]:
+                ids, learn = ids + [eos], learn + [any(b >= len(text) for _, b in spans)]
+            all_ids.append(ids)
+            all_learn.append(learn)
+        return {"ids": all_ids, "learn": all_learn}
 
     def pack(batch):
         stream = [token for ids in batch["ids"] for token in ids]
+        learn = [flag for flags in batch["learn"] for flag in flags]
+        mask = [int(flag) for flag in learn[1:]] + [0]  # position t teaches the prediction of token t+1
         count = len(stream) // seq_len
-        return {"input_ids": [stream[i * seq_len : (i + 1) * seq_len] for i in range(count)]}
+        return {
+            "input_ids": [stream[i * seq_len : (i + 1) * seq_len] for i in range(count)],
+            "loss_mask": [mask[i * seq_len : (i + 1) * seq_len] for i in range(count)],
+        }
 
     tokens = documents.map(tokenize, batched=True, remove_columns=documents.column_names)
-    return tokens.map(pack, batched=True, batch_size=1000, remove_columns=["ids"])
+    return tokens.map(pack, batched=True, batch_size=1000, remove_columns=["ids", "learn"])
 
 
 @dataclass
@@ -162,7 +241,13 @@ class TokenRows:
 
 
 def load_rows(config: DataConfig, tokenizer, split: bool = True) -> TokenRows:
-    """Training and held-out rows per `config`; with `split=False` every document is held out (profiling)."""
+    """Training and held-out rows per `config`; with `split=False` every document is held out (profiling). Local
+    files load without `datasets`' progress bars; a hub data set keeps them (its download is real work)."""
+    with nullcontext() if config.source.strip().startswith("hub:") else _no_progress_bars():
+        return _token_rows(config, tokenizer, split)
+
+
+def _token_rows(config: DataConfig, tokenizer, split: bool) -> TokenRows:
     source = config.source.strip()
     if source.startswith("hub:"):
         if config.heldout_files is not None:
@@ -210,3 +295,8 @@ def load_rows(config: DataConfig, tokenizer, split: bool = True) -> TokenRows:
 def row_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
     """`[len(indices), seq_len]` int64 token ids of the given rows."""
     return torch.tensor(rows[list(indices)]["input_ids"], dtype=torch.long)
+
+
+def mask_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
+    """`[len(indices), seq_len]` bool loss masks of the given rows (`pack_documents`)."""
+    return torch.tensor(rows[list(indices)]["loss_mask"], dtype=torch.bool)

@@ -61,19 +61,33 @@ def top1_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def target_pass(model: nn.Module, input_ids: torch.Tensor):
-    """One forward of the frozen target: (hidden states, one per layer boundary, the last normed; logits)."""
+def target_pass(model: nn.Module, input_ids: torch.Tensor, adapter: ModelAdapter | None = None, vocab=None):
+    """One forward of the frozen target: (hidden states, one per layer boundary, the last normed; logits).
+    With a compact draft `vocab` (`DraftVocabulary.compacted`) and the model's `adapter`, the logits are
+    over its tokens only, from their LM-head rows: the rest of the LM head is never computed."""
     # with the model's default use_cache (True): GPT-2's hidden states without a cache differ by ~1e-8 from
     # the cached path that generation (and `run_lower`) takes
-    out = model(input_ids=input_ids, output_hidden_states=True)
-    return out.hidden_states, out.logits
+    if vocab is None:
+        out = model(input_ids=input_ids, output_hidden_states=True)
+        return out.hidden_states, out.logits
+    if not vocab.compact or adapter is None:
+        raise ValueError("target_pass over a draft vocabulary needs the model's adapter and a compacted vocabulary")
+    out = model(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states, adapter.lm_logits(out.hidden_states[-1], vocab=vocab)
 
 
 class DistillationObjective(nn.Module):
     """The trainable heads and their loss against the frozen target (whose modules are not registered here,
-    so DDP and the optimizer see the heads only). forward(hidden_states, logits) -> mean loss per draft."""
+    so DDP and the optimizer see the heads only). forward(hidden_states, logits, mask) -> mean loss per draft
+    over the positions that `mask` marks (all without one).
 
-    def __init__(self, heads: DraftHeads, adapter: ModelAdapter, loss: str = "kl", recompute_logits: bool = False):
+    With a draft `vocab` (`DraftVocabulary`), q and p are both distributions over its tokens: q from their
+    LM-head rows, p the target's logits restricted to them and renormalised (EAGLE-3's reduced vocabulary).
+    The loss then costs a sixth of the full vocabulary's for SmolLM2's 8,192 of 49,152 tokens, and it
+    trains what drafting with the same vocabulary proposes."""
+
+    def __init__(self, heads: DraftHeads, adapter: ModelAdapter, loss: str = "kl", recompute_logits: bool = False,
+                 vocab: DraftVocabulary | None = None):  # fmt: skip
         super().__init__()
         if loss not in ("kl", "soft_ce"):
             raise ValueError(f"loss must be kl or soft_ce, got {loss!r}")
@@ -81,48 +95,74 @@ class DistillationObjective(nn.Module):
         self._adapter = adapter  # a plain object: the target's norm and LM head stay outside this module
         self.loss = loss
         self.recompute_logits = recompute_logits
+        self.vocab = vocab.compacted() if vocab is not None and vocab.rows is not None else None  # None: all tokens
 
-    @staticmethod
-    def _cross_entropy(draft: Draft, hidden: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        # -sum_x p log q; the draft's logits come from an LM head, so they are finite and so is p * log q
-        return -(p * torch.log_softmax(draft.head(hidden).float(), dim=-1)).sum(-1).mean()
+    def _cross_entropy(self, draft: Draft, hidden: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        # -sum_x p log q per position; the draft's logits come from an LM head (over the draft vocabulary's
+        # rows when there is one), so they are finite on every token that p covers
+        return -(p * torch.log_softmax(draft.head(hidden).float(), dim=-1)).sum(-1)
 
-    def forward(self, hidden_states, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits`: the target's, over the whole vocabulary or (`target_pass` with `self.vocab`) over the draft
+        vocabulary's tokens."""
         with torch.no_grad():  # the teacher once per batch, shared by every draft
+            if self.vocab is not None and logits.shape[-1] != len(self.vocab.ids):
+                logits = logits.index_select(-1, self.vocab.ids)
             log_p = torch.log_softmax(logits.float(), dim=-1)
             p = log_p.exp()  # [batch, T, V]
             # sum_x p log p: KL(p || q) = cross-entropy - entropy of p; 0 for the soft cross-entropy
             negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
+            weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.float()
         losses = []
-        for draft in self.heads.distillation_drafts(self._adapter, hidden_states):
+        for draft in self.heads.distillation_drafts(self._adapter, hidden_states, self.vocab):
             if self.recompute_logits:  # keep one draft's [batch, T, V] activations at a time, not all of them
                 loss = checkpoint(self._cross_entropy, draft, draft.hidden, draft.teacher(p), use_reentrant=False)
             else:
                 loss = self._cross_entropy(draft, draft.hidden, draft.teacher(p))
             if negative_entropy is not None:
-                loss = loss + draft.teacher(negative_entropy).mean()
-            losses.append(draft.weight * loss)
+                loss = loss + draft.teacher(negative_entropy)
+            weight = draft.teacher(weights)
+            losses.append(draft.weight * (loss * weight).sum() / weight.sum().clamp(min=1))
         return torch.stack(losses)
 
 
 @torch.no_grad()
 def score_sums(
-    heads: DraftHeads, adapter: ModelAdapter, hidden_states, logits: torch.Tensor, vocab: DraftVocabulary | None = None
+    heads: DraftHeads,
+    adapter: ModelAdapter,
+    hidden_states,
+    logits: torch.Tensor,
+    vocab: DraftVocabulary | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per draft, sums over positions of (KL(p || q), alpha, top-1 agreement, 1): `[num_drafts, 4]` float64
-    (KL is infinite where a reduced `vocab` gives q = 0 to a token p has)."""
+    """Per draft, sums over the positions `mask` marks (all without one) of (KL(p || q), alpha, top-1
+    agreement, 1, chain): `[num_drafts, 5]` float64. With a reduced `vocab`, alpha and top-1 are those of its
+    drafts against the whole p (what verification sees), and KL is between p and q both renormalised over
+    its tokens (what training minimises; over the whole vocabulary it would be infinite). `chain` is the
+    top-1 agreement of this draft and of every draft before it at the same anchor, the greedy acceptance of a
+    chain this deep (meaningful where the drafts form a chain: Medusa and EAGLE heads, whose draft j at index
+    t is anchored at t)."""
     log_p = torch.log_softmax(logits.float(), dim=-1)  # [batch, T, V], shared by every draft
     p, top = log_p.exp(), logits.argmax(-1)
-    rows = []
+    ids = vocab.rows if vocab is not None else None  # None: KL over the whole vocabulary
+    log_p_kl = torch.log_softmax(logits.index_select(-1, ids).float(), dim=-1) if ids is not None else log_p
+    weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.double()
+    rows, chain = [], None
     for draft in heads.distillation_drafts(adapter, hidden_states, vocab):
         q_logits = draft.head(draft.hidden)
         log_q = torch.log_softmax(q_logits.float(), dim=-1)
         p_draft = draft.teacher(p)
-        kl = torch.where(p_draft > 0, p_draft * (draft.teacher(log_p) - log_q), 0.0).sum(-1)  # [batch, positions]
+        teacher_log_p = draft.teacher(log_p_kl)
+        draft_log_q = torch.log_softmax(q_logits.index_select(-1, ids).float(), dim=-1) if ids is not None else log_q
+        p_kl = teacher_log_p.exp()
+        kl = torch.where(p_kl > 0, p_kl * (teacher_log_p - draft_log_q), 0.0).sum(-1)  # [batch, positions]
         alpha = torch.minimum(p_draft, log_q.exp()).sum(-1)
-        agree = q_logits.argmax(-1) == draft.teacher(top)
-        count = torch.tensor(agree.numel(), dtype=torch.float64, device=agree.device)
-        rows.append(torch.stack([kl.double().sum(), alpha.double().sum(), agree.double().sum(), count]))
+        agree = (q_logits.argmax(-1) == draft.teacher(top)).double()
+        weight = draft.teacher(weights).double()
+        chain = agree if chain is None else chain[:, : agree.shape[1]] * agree
+        kl = torch.where(weight > 0, kl.double() * weight, 0.0)  # not inf * 0 where a position is left out
+        sums = [kl.sum(), (alpha.double() * weight).sum(), (agree * weight).sum(), weight.sum()]
+        rows.append(torch.stack(sums + [(chain * weight).sum()]))
     return torch.stack(rows)
 
 

@@ -1,0 +1,192 @@
+"""training/make_chat_data.py and training/chat_data/: the instructions (seeded, prefix-stable, every kind), the
+shrinking-batch decoder (greedy rows equal `model.generate`'s), and a run on a tiny target that resumes, stops
+at its time limit and packs data that the training loader reads."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from selfspec.training.config import DataConfig
+from selfspec.training.data import load_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+import make_chat_data  # noqa: E402
+from chat_data import kinds  # noqa: E402
+from chat_data.decode import decode  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(20)]
+MATERIAL = kinds.Material  # the class, before a test replaces it with small_material
+VOCAB = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":"] + WORDS)}
+
+
+def small_material() -> kinds.Material:
+    """Material without manual pages (rendering them takes a minute): docstrings, two catalogues, countries."""
+    objects = [
+        (f"mod.f{i}", f"Return thing {i}. " + "This function does something useful with its input. " * 8)
+        for i in range(30)
+    ]
+    messages = {
+        "de": [(f"english {i}", f"ein deutscher Satz Nummer {i} mit Wörtern") for i in range(40)],
+        "fr": [("a", "une phrase française assez longue ici")],
+    }
+    return MATERIAL(objects=objects, messages=messages, man_pages=[], countries=["Chile", "Nepal", "Ghana"])
+
+
+def test_instructions_are_seeded_prefix_stable_and_cover_every_kind():
+    material = small_material()
+    many = make_chat_data.build_instructions(600, seed=3, material=material)
+    few = make_chat_data.build_instructions(50, seed=3, material=material)
+    assert few == many[:50]
+    assert make_chat_data.build_instructions(50, seed=4, material=material) != few
+    assert {s.kind for s in many} == set(kinds.SHARES)
+    texts = [s.text for s in many if s.text is not None]
+    assert len(texts) == len(set(texts))
+    assert all(s.text is None for s in many if s.kind == "magpie")
+    assert [s.index for s in many if s.heldout] == list(range(9, 600, 10))
+    assert 0.1 < sum(s.follow_up is not None for s in many) / 600 < 0.3
+    translation = next(s.text for s in many if s.kind == "translation")
+    assert "deutscher" in translation or "française" in translation
+
+
+def tiny_target(folder: Path, uniform: bool = False) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if uniform:  # every token equally likely: sampled answers end (at </s>) after about 27 tokens
+        torch.nn.init.zeros_(model.lm_head.weight)
+    model.save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_decode_greedy_rows_equal_generate_and_finished_rows_leave(tmp_path):
+    model = LlamaForCausalLM.from_pretrained(tiny_target(tmp_path / "t")).eval()
+    rows = [[1, 7, 8, 9, 10, 11], [1, 12, 13], [1, 14, 15, 16, 17], [1, 18]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = (torch.arange(width) >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
+    expected = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[:, width:].tolist()
+    stop = {expected[1][4]}  # the second row stops at its fifth token; the others go on without it
+    got = decode(model, ids, mask, 12, stop)
+    for row, (tokens, truncated) in zip(expected, got, strict=True):
+        cut = next((k for k, token in enumerate(row) if token in stop), None)
+        assert tokens == (row if cut is None else row[:cut])
+        assert truncated == (cut is None)
+    assert got[1] == (expected[1][:4], False)
+    sampled = [decode(model, ids, mask, 8, set(), 0.7, torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def run(tmp_path: Path, target: Path, *extra: str, monkeypatch) -> None:
+    monkeypatch.setattr(make_chat_data.kinds, "Material", small_material)
+    make_chat_data.main(
+        ["--out_dir", str(tmp_path / "run"), "--target", str(target), "--count", "30", "--window", "10",
+         "--max_new_tokens", "40", "--dtype", "float32", *extra]
+    )  # fmt: skip
+
+
+def test_a_run_resumes_stops_at_its_limit_and_packs_what_training_reads(tmp_path, monkeypatch, capsys):
+    target = tiny_target(tmp_path / "target", uniform=True)
+    run(tmp_path, target, "--time_limit", "0", monkeypatch=monkeypatch)  # one window, then the limit
+    assert "time limit of 0.0 min reached" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
+    assert {r["index"] for r in rows if r["turns"] == 1} <= set(range(10))
+    with (tmp_path / "run" / "rows.jsonl").open("a") as torn:  # a run killed in the middle of a write
+        torn.write('{"index": 12, "kind": "ma')
+    run(tmp_path, target, monkeypatch=monkeypatch)
+    run(tmp_path, target, monkeypatch=monkeypatch)  # nothing left: the third run answers nothing
+    assert "0 with work left" in capsys.readouterr().out.splitlines()[-1]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]  # all whole
+    slots = make_chat_data.build_instructions(30, 0, small_material())
+    answered = [r for r in rows if r["turns"] == 1]
+    dropped = {r["index"] for r in map(json.loads, (tmp_path / "run" / "magpie.jsonl").read_text().splitlines())
+               if r["text"] is None}  # fmt: skip
+    assert sorted(r["index"] for r in answered) == [s.index for s in slots if s.index not in dropped]
+    assert all(len(r["messages"]) == 2 and r["answer_tokens"] <= 40 for r in answered)
+    greedy = [r for r in answered if not r["sampled"]]
+    assert greedy and all(r["truncated"] for r in greedy)  # uniform logits: argmax is <pad>, never </s>
+    second = [r for r in rows if r["turns"] == 2]
+    assert second  # follow-ups to the sampled answers that ended
+    for r in second:
+        first = next(a for a in answered if a["index"] == r["index"])
+        assert not first["truncated"] and r["messages"][:2] == first["messages"] and len(r["messages"]) == 4
+
+    with pytest.raises(SystemExit, match="other settings"):
+        run(tmp_path, target, "--seed", "1", monkeypatch=monkeypatch)
+
+    make_chat_data.main(["--out_dir", str(tmp_path / "run"), "--pack", str(tmp_path / "packed")])
+    packed = tmp_path / "packed"
+    train = [json.loads(line) for line in gzip.open(packed / "train.jsonl.gz", "rt")]
+    heldout = [json.loads(line) for line in gzip.open(packed / "heldout.jsonl.gz", "rt")]
+    assert len(train) + len(heldout) == len(answered)
+    assert all(r["index"] % 10 == 9 for r in heldout) and not any(r["index"] % 10 == 9 for r in train)
+    assert sum(r["turns"] == 2 for r in train + heldout) == len(second)
+    card = (packed / "README.md").read_text()
+    assert f"its own answers to {len(answered)} instructions" in card and "| all |" in card
+    assert (packed / "lengths.png").stat().st_size > 0
+    first_bytes = (packed / "train.jsonl.gz").read_bytes()
+    make_chat_data.main(["--out_dir", str(tmp_path / "run"), "--pack", str(packed)])
+    assert (packed / "train.jsonl.gz").read_bytes() == first_bytes  # no timestamp: same rows, same bytes
+
+    # another machine: an empty run folder continues from the packed run's own files
+    run(tmp_path / "elsewhere", target, "--resume_from", str(packed), monkeypatch=monkeypatch)
+    assert "continuing the run packed in" in capsys.readouterr().out
+    assert (tmp_path / "elsewhere" / "run" / "rows.jsonl").read_bytes() == (
+        tmp_path / "run" / "rows.jsonl"
+    ).read_bytes()
+    run(tmp_path / "elsewhere", target, "--resume_from", str(packed), monkeypatch=monkeypatch)  # a run there: kept
+    assert "continuing" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no packed run there"):
+        run(tmp_path / "third", target, "--resume_from", str(tmp_path), monkeypatch=monkeypatch)
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
+    config = DataConfig(source=str(packed / "*.jsonl.gz"), heldout_files=str(packed / "heldout.jsonl.gz"), seq_len=8)
+    loaded = load_rows(config, tokenizer)
+    assert loaded.summary["train_documents"] == len(train) and loaded.summary["heldout_documents"] == len(heldout)
+
+
+def test_chat_rows_teach_the_answers_only_and_plain_text_every_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_target(tmp_path / "t"))
+    turns = [("user", "w1 w2"), ("assistant", "w3 w4"), ("user", "w5"), ("assistant", "w6")]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}))
+    rows = load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=15), tokenizer, split=False).heldout
+    words = "user : w1 w2 assistant : w3 w4 user : w5 assistant : w6 </s>".split()
+    assert rows["input_ids"] == [[VOCAB[w] for w in words]]
+    # position t is learnt where token t+1 is part of an answer: w3 w4, then w6 and the end of the text
+    learnt = [words[t + 1] for t, flag in enumerate(rows["loss_mask"][0]) if flag]
+    assert learnt == ["w3", "w4", "w6", "</s>"]
+    every = load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=15, loss_on="all"), tokenizer, False)
+    assert every.heldout["loss_mask"] == [[1] * 14 + [0]]
+
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "w1 w2 w3"}))
+    text = load_rows(DataConfig(source=str(tmp_path / "text.jsonl"), seq_len=4), tokenizer, split=False).heldout
+    assert text["loss_mask"] == [[1, 1, 1, 0]]
+
+    tokenizer.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"  # not prefixes
+    with pytest.raises(ValueError, match="data.loss_on: all"):
+        load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=4), tokenizer, split=False)
