@@ -8,7 +8,15 @@ static cache.
 """
 
 from ..families import SUPPORTED_ARCHITECTURES
-from .core import FINAL, ModelAdapter, ModelFingerprint, UnsupportedModelError, additive_mask, unwrap_model
+from .core import (
+    FINAL,
+    ModelAdapter,
+    ModelFingerprint,
+    UnsupportedModelError,
+    additive_mask,
+    cache_keyword,
+    unwrap_model,
+)
 from .one_layer import LAYOUTS, OneLayerModel
 from .vocab import DraftVocabulary, draft_head_size, frequent_tokens, read_token_ids
 
@@ -22,6 +30,7 @@ __all__ = [
     "OneLayerModel",
     "UnsupportedModelError",
     "additive_mask",
+    "cache_keyword",
     "draft_head_size",
     "frequent_tokens",
     "read_token_ids",

@@ -61,6 +61,12 @@ class ModelFingerprint:
         return dict(self.__dict__)
 
 
+def cache_keyword(forward) -> str:
+    """The name under which `forward` takes the KV cache: transformers 5.24 renamed `past_key_values` to `cache`,
+    and earlier 5.x releases silently swallow `cache=`."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def _longrope_switch(config) -> int | None:
     """The position past which longrope moves every position of a forward to its long frequencies (None: no
     longrope). Rope parameters may be one dict or one per layer type (Gemma 3)."""
@@ -132,9 +138,7 @@ class ModelAdapter:
         self.logit_divisor = getattr(config, family.divide_logits_by) if family.divide_logits_by else None
         self.logit_scale = getattr(config, family.multiply_logits_by) if family.multiply_logits_by else None
         self.rope_switch = _longrope_switch(config)
-        parameters = inspect.signature(self.model.forward).parameters
-        # transformers 5.24 renamed `past_key_values` to `cache`; earlier 5.x silently swallows `cache=`.
-        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_keyword = cache_keyword(self.model.forward)
         self._layer_returns_tuple = False
 
     # ----------------------------------------------------------------------------------------- facts

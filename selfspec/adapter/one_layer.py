@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, DynamicCache
 
 from ..families import SUPPORTED_ARCHITECTURES, unsupported_message
-from .core import UnsupportedModelError
+from .core import UnsupportedModelError, cache_keyword
 
 LAYOUTS = ("eagle", "eagle3")
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")  # what reads the attention's input
@@ -64,8 +63,7 @@ class OneLayerModel(nn.Module):
         elif layout == "eagle3":
             self._join_token_states(layer, family, model_type, settings)
         self.base = base
-        parameters = inspect.signature(base.forward).parameters
-        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_keyword = cache_keyword(base.forward)
         if self.joined is not None:
             self._check_joined(model_type)
 

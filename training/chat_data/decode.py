@@ -4,10 +4,10 @@ what its longest answer costs (`model.generate` keeps computing finished rows as
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import DynamicCache
+
+from selfspec.adapter import cache_keyword
 
 
 @torch.inference_mode()
@@ -28,8 +28,7 @@ def decode(
     live = torch.arange(rows)  # original row of each row still in the batch
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    # transformers 5.24 names the cache argument `cache`; earlier 5.x releases `past_key_values`
-    cache_argument = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    cache_argument = {cache_keyword(model.forward): cache}
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1,
         **cache_argument,
