@@ -48,7 +48,7 @@ from selfspec.measure.profile import (
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.training.data import load_rows, mask_tensor, row_tensor
+from selfspec.training.data import load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass
 
 from common import (
@@ -203,8 +203,7 @@ class Run:
         self.progress.commands.append(launch_command())
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
-        self.eval_rows = row_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
-        self.eval_masks = mask_tensor(self.rows.heldout, range(min(held, len(self.rows.heldout))))
+        self.eval_rows, self.eval_masks = row_tensors(self.rows.heldout, range(min(held, len(self.rows.heldout))))
         if accelerator.is_main_process:
             save_config(config, self.out / "config.yaml")
 
@@ -284,8 +283,8 @@ class Run:
             loss_sum = torch.zeros((), device=acc.device)
             for micro in range(tc.gradient_accumulation_steps):
                 index = step_rows(len(self.rows.train), config, progress.step, micro, *self.process)
-                batch = row_tensor(self.rows.train, index).to(acc.device)  # [batch_size / processes, seq_len]
-                mask = mask_tensor(self.rows.train, index).to(acc.device)  # the positions to learn
+                batch, mask = row_tensors(self.rows.train, index)  # [batch_size / processes, seq_len] each
+                batch, mask = batch.to(acc.device), mask.to(acc.device)  # mask: the positions to learn
                 with acc.autocast():
                     hidden_states, logits = target_pass(self.model, batch, self.adapter, self.train_vocab)
                 with acc.no_sync(self.objective) if micro < tc.gradient_accumulation_steps - 1 else nullcontext():

@@ -52,7 +52,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..heads import ExitHeads, default_exit_layers, load_heads
     from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from ..training.config import DataConfig, EvalConfig
-    from ..training.data import load_rows, mask_tensor, row_tensor
+    from ..training.data import load_rows, row_tensors
     from .options import check_plotting, set_threads, target_path
 
     check_plotting()
@@ -74,8 +74,7 @@ def run_profile(args: argparse.Namespace) -> int:
     heads.to(device=adapter.device, dtype=adapter.dtype)
     data = DataConfig(source=source, text_field=args.text_field, seq_len=args.seq_len)
     heldout = load_rows(data, tokenizer, split=False).heldout
-    rows_tensor = row_tensor(heldout, range(min(args.max_rows, len(heldout))))
-    masks = mask_tensor(heldout, range(min(args.max_rows, len(heldout))))  # chat: the answers only
+    rows_tensor, masks = row_tensors(heldout, range(min(args.max_rows, len(heldout))))  # masks: a chat's answers
     config = EvalConfig(
         max_rows=args.max_rows,
         batch_size=args.batch_size,

@@ -297,6 +297,8 @@ def row_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
     return torch.tensor(rows[list(indices)]["input_ids"], dtype=torch.long)
 
 
-def mask_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
-    """`[len(indices), seq_len]` bool loss masks of the given rows (`pack_documents`)."""
-    return torch.tensor(rows[list(indices)]["loss_mask"], dtype=torch.bool)
+def row_tensors(rows: datasets.Dataset, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[len(indices), seq_len]` int64 token ids and bool loss masks (`pack_documents`) of the given rows, read
+    from the data set once."""
+    picked = rows[list(indices)]
+    return torch.tensor(picked["input_ids"], dtype=torch.long), torch.tensor(picked["loss_mask"], dtype=torch.bool)
