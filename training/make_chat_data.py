@@ -95,18 +95,6 @@ def build_instructions(count: int, seed: int, material: kinds.Material | None = 
     return slots
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file (none if it is missing); a torn last line (a killed run) is cut off the
-    file first, so that the next row appended starts a line of its own."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        path.write_bytes(data)
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-
-
 class Writer:
     """Decodes batches with an engine (chat_data/engines.py) and appends their rows to the output files."""
 
@@ -137,11 +125,12 @@ class Writer:
         if self.on_batch is not None:
             self.on_batch(self.tokens)
 
-    def magpie(self, slots: list[Instruction]) -> None:
-        """The target's own user turns for Magpie slots, sampled at T=1 (kept: ended, three words or more)."""
+    def magpie(self, slots: list[Instruction], seen: set[str]) -> list[dict]:
+        """The target's own user turns for Magpie slots, sampled at T=1 (kept: ended, three words or more, not in
+        `seen`, the turns written before); the rows written."""
         prefix = self.tokenizer(self.user_prefix(), add_special_tokens=False).input_ids
         seed = self.args.seed * 7919 + slots[0].index
-        seen = {row["text"] for row in read_jsonl(self.out_dir / "magpie.jsonl")}
+        written = []
         for group, done in self.run([prefix] * len(slots), 1.0, MAGPIE_MAX_TOKENS, seed):
             rows = []
             for k, (text, _, truncated) in zip(group, done, strict=True):
@@ -149,9 +138,13 @@ class Writer:
                 rows.append({"index": slots[k].index, "text": text if kept else None})
                 seen.add(text)
             self.append("magpie.jsonl", rows)
+            written += rows
+        return written
 
-    def answer(self, slots: list[Instruction], two_turn: dict[int, list[dict]] | None = None) -> None:
-        """First answers (or, with `two_turn`, second answers to the conversations it holds per index)."""
+    def answer(self, slots: list[Instruction], two_turn: dict[int, list[dict]] | None = None) -> list[dict]:
+        """First answers (or, with `two_turn`, second answers to the conversations it holds per index); the rows
+        written."""
+        written = []
         for sampled in (False, True):
             group = [s for s in slots if s.sampled == sampled]
             conversations = [two_turn[s.index] if two_turn else [{"role": "user", "content": s.text}] for s in group]
@@ -159,7 +152,9 @@ class Writer:
             fits = [k for k, p in enumerate(prompts) if len(p) <= self.args.max_prompt_tokens]
             skipped = [s for k, s in enumerate(group) if k not in set(fits)]
             if skipped:
-                self.append("rows.jsonl", [{**asdict(s), "turns": 0, "skipped": "prompt too long"} for s in skipped])
+                rows = [{**asdict(s), "turns": 0, "skipped": "prompt too long"} for s in skipped]
+                self.append("rows.jsonl", rows)
+                written += rows
             if not fits:
                 continue
             temperature = TEMPERATURE if sampled else None
@@ -181,6 +176,8 @@ class Writer:
                     )
                     self.tokens += tokens
                 self.append("rows.jsonl", rows)
+                written += rows
+        return written
 
 
 def generate(args) -> None:
@@ -202,8 +199,8 @@ def generate(args) -> None:
     else:
         settings_path.write_text(json.dumps({"target": args.target, **settings}) + "\n")
     slots = build_instructions(args.count, args.seed)
-    magpie = {row["index"]: row["text"] for row in read_jsonl(out_dir / "magpie.jsonl")}
-    rows = read_jsonl(out_dir / "rows.jsonl")
+    magpie = {row["index"]: row["text"] for row in card.read_jsonl(out_dir / "magpie.jsonl", repair=True)}
+    rows = card.read_jsonl(out_dir / "rows.jsonl", repair=True)
     first = {row["index"]: row for row in rows if row["turns"] in (0, 1)}
     second = {row["index"] for row in rows if row["turns"] == 2}
     dropped = {index for index, text in magpie.items() if text is None}  # Magpie turns that did not end
@@ -232,14 +229,12 @@ def generate(args) -> None:
         window = pending[begin : begin + args.window]
         need = [s for s in window if s.kind == "magpie" and s.index not in magpie]
         if need:
-            writer.magpie(need)
-            magpie |= {row["index"]: row["text"] for row in read_jsonl(out_dir / "magpie.jsonl")}
+            magpie |= {row["index"]: row["text"] for row in writer.magpie(need, set(magpie.values()))}
         for s in window:
             if s.kind == "magpie":
                 s.text = magpie.get(s.index)  # None: dropped, or lost with a torn line (the next run writes it)
         unanswered = [s for s in window if s.index not in first and s.text is not None]
-        writer.answer(unanswered)
-        first |= {r["index"]: r for r in read_jsonl(out_dir / "rows.jsonl") if r["turns"] == 1}
+        first |= {r["index"]: r for r in writer.answer(unanswered) if r["turns"] == 1}
         conversations = {
             s.index: first[s.index]["messages"] + [{"role": "user", "content": s.follow_up}]
             for s in window

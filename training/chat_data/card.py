@@ -40,29 +40,33 @@ SOURCES = {
 }
 
 
+def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
+    """The rows of a JSON-lines file (none if it is missing). A torn last line (a run killed, or still busy,
+    while writing it) is left out; with `repair` it is also cut off the file, so that the next row appended
+    starts a line of its own. Only the run that appends repairs: `--pack` may read while a run writes."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        if repair:
+            path.write_bytes(data)
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
 def read_rows(out_dir: Path) -> tuple[list[dict], dict]:
     """One conversation per answered instruction (the two-turn row where there is one), and the counts of
     skipped prompts and dropped Magpie turns."""
     best: dict[int, dict] = {}
     skipped = 0
-    for line in (out_dir / "rows.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line
-            continue
+    for row in read_jsonl(out_dir / "rows.jsonl"):
         if row["turns"] == 0:
             skipped += 1
         elif row["turns"] >= best.get(row["index"], {}).get("turns", 0):
             if row["turns"] == 2 and row["index"] in best:
                 row["answer_tokens"] += best[row["index"]]["answer_tokens"]  # both answers count
             best[row["index"]] = row
-    magpie_path = out_dir / "magpie.jsonl"
-    magpie = []
-    for line in magpie_path.read_text().splitlines() if magpie_path.exists() else []:
-        try:
-            magpie.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line
-            continue
+    magpie = read_jsonl(out_dir / "magpie.jsonl")
     counts = {"skipped_long": skipped, "magpie_dropped": sum(m["text"] is None for m in magpie)}
     return [best[i] for i in sorted(best)], counts
 

@@ -29,6 +29,8 @@ class TransformersEngine:
         """Batches under the token budget, shortest prompts first, each yielded when it is done."""
         import torch
 
+        from selfspec.measure.bench import left_pad
+
         from .decode import decode
 
         order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
@@ -39,9 +41,7 @@ class TransformersEngine:
             while len(group) > 1 and len(group) * len(prompts[group[-1]]) > self.token_budget:
                 group.pop()
             start += len(group)
-            width = len(prompts[group[-1]])
-            ids = torch.tensor([[pad] * (width - len(prompts[k])) + prompts[k] for k in group])
-            mask = torch.tensor([[0] * (width - len(prompts[k])) + [1] * len(prompts[k]) for k in group])
+            ids, mask = left_pad([torch.tensor([prompts[k]]) for k in group], pad)
             generator = torch.Generator().manual_seed(seed + group[0])
             yield group, decode(self.model, ids, mask, max_new_tokens, stop_ids, temperature, generator)
 

@@ -73,12 +73,6 @@ def prose_paragraphs(text: str, min_chars: int = 200, max_chars: int = 900) -> l
     return result
 
 
-def plain_sentences(text: str) -> list[str]:
-    """Sentences of prose (40-180 characters, few code symbols)."""
-    sentences = re.split(r"(?<=[.!?])\s", " ".join(text.split()))
-    return [s for s in sentences if 40 <= len(s) <= 180 and not re.search(r"[`_=(){}\[\]<>*/\\]|\.\w", s)]
-
-
 def man_page_names(per_family: int = 3) -> list[str]:
     """Paths of the manual pages in MAN_DIRS, sorted, at most `per_family` of a family of pages whose names share
     their first word (gcloud alone ships thousands of nearly identical pages)."""
