@@ -150,6 +150,20 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert json.loads((tmp_path / "exit" / "config.json").read_text())["num_draft_tokens"] in (1, 2, 3)
     assert "## Tuned defaults" in (tmp_path / "medusa" / "README.md").read_text()
 
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "t5 t9"}, {"role": "assistant", "content": "t2 t7 t1 t1 t4 t4"}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    memory = ["--suffix_memory", str(chat), "--only", "suffix", "--no_sampling", "--output", str(tmp_path / "d")]
+    with pytest.raises(SystemExit, match="--suffix_memory: .* needs a tokenizer with a chat template"):
+        main(["bench", *common, "--repeats", "1", *memory])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert main(["bench", *common, "--repeats", "1", *memory]) == 0
+    result = json.loads((tmp_path / "d" / "bench.json").read_text())
+    names = [row["contender"] for row in result["results"]]
+    assert names == ["generate", "selfspec suffix", "selfspec suffix, memory 6 tokens"]
+    assert all(row["matched"] is not False for row in result["results"])
+
     with pytest.raises(SystemExit, match="two ExitHeads folders"):
         main(["demo", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "exit"), "--heads",
               str(tmp_path / "exit")])  # fmt: skip

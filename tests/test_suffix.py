@@ -11,7 +11,7 @@ from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import padded_prompts, random_prompt, tiny_model
 
-from selfspec import SelfSpeculative, SuffixDrafter
+from selfspec import NGramDrafter, SelfSpeculative, SuffixDrafter
 from selfspec.drafters.suffix import SuffixIndex, best_continuation, continuation_tree
 
 
@@ -185,3 +185,90 @@ def test_bench_keeps_a_prompts_own_earlier_answers_out_of_the_memory():
     rows = run_bench([generate_contender(model, "generate", False, 1.0), fresh], prompts, 10, repeats=2)
     # the warm-up's answer and the first repeat's went before each prompt ran again: the last answer to each is left
     assert rows[1]["matched"] is True and len(fresh.spec.drafter.cache) == 2
+
+
+def chat_tokenizer():
+    """Word-level tokens w0..w39 and the specials; a chat template whose assistant turns end with </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, "user": 3, "assistant": 4, ":": 5} | {f"w{i}": 6 + i for i in range(40)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}{% if m['role'] == 'assistant' %} </s>{% endif %}"
+        " {% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    return tokenizer
+
+
+def test_chat_answers_are_the_assistant_turns_as_generated(tmp_path):
+    import gzip
+    import json
+
+    from selfspec.chat import chat_answers
+
+    rows = [
+        {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"}]},
+        {"messages": [{"role": "user", "content": "w6"}, {"role": "assistant", "content": "w7"},
+                      {"role": "user", "content": "w8"}, {"role": "assistant", "content": "w9 w10"}]},
+    ]  # fmt: skip
+    path = tmp_path / "chat.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as file:
+        file.write("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = chat_tokenizer()
+    # each answer's tokens and the end of its turn, nothing of the prompts or the template after it
+    assert chat_answers(path, tokenizer) == [[9, 10, 11, 2], [13, 2], [15, 16, 2]]
+    assert chat_answers(path, tokenizer, max_tokens=3) == [[9, 10, 11, 2]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "w1"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="row 1 has no chat `messages`"):
+        chat_answers(bad, tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        chat_answers(path, tokenizer)
+
+
+def test_remembered_answers_are_drafted_from_within_the_bound_and_stay_exact():
+    model = tiny_model("llama")
+    prompt = random_prompt(9, seed=5)
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    answer = expected[0, 9:]
+    cold = SelfSpeculative(model, drafter=SuffixDrafter(max_cached_requests=0), position_cost=0.0)
+    assert torch.equal(cold.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    drafter = SuffixDrafter(max_cached_tokens=100)
+    assert drafter.remember([answer, [1, 2, 3]]) == 43
+    warm = SelfSpeculative(model, drafter=drafter, position_cost=0.0)
+    assert torch.equal(warm.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    # the remembered answer is drafted from: long accepted runs, more tokens per pass than without it
+    assert warm.stats.accepted >= 30 and warm.stats.tokens_per_pass > cold.stats.tokens_per_pass
+    assert drafter.remember([[7] * 60]) <= 100 and len(drafter.cache) == 2  # the least recently used went
+    assert drafter.remember([[7] * 101]) <= 100  # longer than the bound: not kept
+    with pytest.raises(ValueError, match="a list of answers"):
+        drafter.remember([5, 6, 7])
+    with pytest.raises(ValueError, match="cache is off"):
+        SuffixDrafter(max_cached_requests=0).remember([[1, 2]])
+
+
+@pytest.mark.parametrize("make", [lambda: SuffixDrafter(num_speculative_tokens=5), lambda: NGramDrafter(5)])
+def test_a_replay_counts_the_passes_of_a_fixed_gamma_run(make):
+    from selfspec.measure.replay import record_answers, replay
+
+    model = tiny_model("llama")
+    repetitive = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+    prompts = [random_prompt(12, seed=3), repetitive, random_prompt(9, seed=11), random_prompt(9, seed=11)]
+    records = record_answers(model, prompts, 30, categories=["a", "b", "a", "a"])
+    spec = SelfSpeculative(model, drafter=make(), num_draft_tokens=4, adaptive=False)
+    tokens = passes = 0
+    for prompt, record in zip(prompts, records, strict=True):
+        output = spec.generate(prompt, max_new_tokens=30, do_sample=False)
+        assert output[0, prompt.shape[1] :].tolist() == record.answer
+        tokens, passes = tokens + spec.stats.new_tokens, passes + spec.stats.target_passes
+    result = replay(make(), records, 30, gamma=4)
+    assert (result["tokens"], result["passes"]) == (tokens, passes)
+    assert result["tokens_per_pass"] > 1.2 and set(result["by_category"]) == {"a", "b"}
+    with pytest.raises(ValueError, match="model-free chain drafter"):
+        replay(SuffixDrafter(tree_nodes=4), records, 30)

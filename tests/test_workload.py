@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_specbench import tiny_tokenizer
 from tiny_models import tiny_model
 
@@ -44,3 +45,17 @@ def test_bench_runs_the_repeated_workload_after_its_warm_up(tmp_path, capsys):
         "selfspec ngram",
         "selfspec suffix",
     }
+    # with a memory of earlier answers, and only the suffix contenders
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "t5"}, {"role": "assistant", "content": "t6 t7"}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    more = ["--suffix_memory", str(chat), "--only", "suffix", "--output", str(tmp_path / "memory")]
+    with pytest.raises(SystemExit, match="row 1: the chat template does not render a conversation's turns as prefixes"):
+        main(args[:-2] + more)  # its generation prompt (t1) is not in the rendered conversation
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "t2{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert main(args[:-2] + more) == 0
+    rows = json.loads((tmp_path / "memory" / "bench_repeated.json").read_text())
+    names = {row["contender"] for row in rows["results"]}
+    assert names == {"generate", "selfspec suffix", "selfspec suffix, memory 2 tokens"}

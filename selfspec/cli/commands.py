@@ -24,6 +24,7 @@ from ..measure.contenders import (
     chain_contenders,
     compiled_contenders,
     generate_contender,
+    memory_contenders,
     selfspec_contender,
     standard_contenders,
 )
@@ -77,9 +78,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if heads.get(EagleHeads) is None:
             raise SystemExit("--chains needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
         contenders += chain_contenders(model, heads.get(EagleHeads), vocab, lengths)
+    if args.suffix_memory:
+        contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
     if args.only:
-        wanted = [part.strip() for part in args.only.split(",") if part.strip()]
-        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in wanted)]
+        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)
@@ -118,6 +120,23 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def only_parts(args: argparse.Namespace) -> list[str]:
+    """The name parts of `--only`, comma-separated."""
+    return [part.strip() for part in args.only.split(",") if part.strip()]
+
+
+def suffix_memory(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """The answers of `--suffix_memory` (`selfspec.chat.chat_answers`), or SystemExit naming what is wrong."""
+    from ..chat import chat_answers
+
+    if args.suffix_memory_tokens is not None and args.suffix_memory_tokens < 1:
+        raise SystemExit(f"--suffix_memory_tokens must be positive; got {args.suffix_memory_tokens}")
+    try:
+        return chat_answers(args.suffix_memory, tokenizer, args.suffix_memory_tokens)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--suffix_memory: {error}") from error
+
+
 def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dict, vocab) -> int:
     """`selfspec bench --workload repeated` (`selfspec.workload`): warm-up calls, then the timed prompts by kind."""
     from ..measure.workload import repeated_contenders, revision_prompts, same_task_prompts, warm_up
@@ -133,6 +152,10 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     timed += revision_prompts(tokenizer, answer, args.warmup + 2)
     prompts = timed[: args.num_prompts]
     contenders = repeated_contenders(model, heads.get(EagleHeads), vocab)
+    if args.suffix_memory:
+        contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
+    if args.only:
+        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     warm_up(contenders, encode(tokenizer, warm, model.device), args.max_new_tokens)
     rows = run_bench(contenders, encode(tokenizer, prompts, model.device), args.max_new_tokens, repeats=args.repeats)
     by_category = summarize_by_category(contenders, prompts)

@@ -134,6 +134,15 @@ def add_bench_parser(commands) -> None:
         "controller off): tokens per pass and acceptance by position, which do not depend on the machine",
     )
     bench.add_argument(
+        "--suffix_memory",
+        help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
+        "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "
+        "answers: training/data/smollm2-chat/train.jsonl.gz) before the first prompt",
+    )
+    bench.add_argument(
+        "--suffix_memory_tokens", type=int, help="--suffix_memory: read at most this many answer tokens (default: all)"
+    )
+    bench.add_argument(
         "--workload",
         choices=["prompts", "repeated"],
         default="prompts",

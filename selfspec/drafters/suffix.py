@@ -29,6 +29,11 @@ from ..engine.drafter import Draft, Drafter, Processing, Verified
 from ..engine.state import DecodeState
 from ..engine.tree import CandidateTree
 
+CACHED_TOKENS = 200_000  # the cache's default bound in tokens (13.8 MiB on Python source in SmolLM2's tokens)
+# how much longer the cache's match must be than the text's own to be drafted from instead: replaying recorded
+# SmolLM2 answers, 4 drafted the most tokens per pass both on Spec-Bench questions and on a repeated task
+CACHE_MARGIN = 4
+
 
 class SuffixIndex:
     """Token sequences and where each token and each pair of tokens occurred in them.
@@ -217,8 +222,9 @@ class SuffixDrafter(Drafter):
         tree_nodes: draft a tree of the most likely continuations, at most this many nodes, verified in one pass
             with the lossless tree rule (one prompt at a time); None drafts the best chain.
 
-    `cache` holds the earlier answers; `clear_cache()` empties it. Several rows of a batch draft independently
-    (each from its own text and the shared cache).
+    `cache` holds the earlier answers; `remember(answers)` adds answers from elsewhere (a chat data set of the
+    model's own answers: `selfspec.chat.chat_answers`); `clear_cache()` empties it. Several rows of a batch draft
+    independently (each from its own text and the shared cache).
     """
 
     check_drafts = False
@@ -229,7 +235,7 @@ class SuffixDrafter(Drafter):
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_cached_requests: int = 10_000,
-        max_cached_tokens: int = 200_000,
+        max_cached_tokens: int = CACHED_TOKENS,
         max_match_length: int = 24,
         max_candidates: int = 64,
         tree_nodes: int | None = None,
@@ -288,10 +294,25 @@ class SuffixDrafter(Drafter):
     def end(self, sequences: list[torch.Tensor]) -> None:
         """Keep each row's answer in the cross-call cache, evicting the least recently used over the bounds."""
         self._texts, self._drafts, self._paths = [], None, None
+        if self.max_cached_requests:
+            self._keep(sequence[self._prompt_width :].tolist() for sequence in sequences)
+
+    def remember(self, answers) -> int:
+        """Put earlier answers (token id sequences: lists or 1-D tensors, as the model generates them, e.g.
+        `selfspec.chat.chat_answers` of a chat data set) in the cache shared across calls, as if earlier calls
+        had generated them, within its bounds (the least recently used go first). Returns the tokens the cache
+        holds now. Raises ValueError when the cache is off (max_cached_requests=0)."""
         if not self.max_cached_requests:
-            return
-        for sequence in sequences:
-            answer = sequence[self._prompt_width :].tolist()
+            raise ValueError("this SuffixDrafter's cache is off (max_cached_requests=0): it cannot remember answers")
+        answers = [answer.tolist() if isinstance(answer, torch.Tensor) else answer for answer in answers]
+        if any(not isinstance(a, list | tuple) or not all(isinstance(t, int) for t in a) for a in answers):
+            raise ValueError("remember() takes a list of answers, each a list (or 1-D tensor) of token ids")
+        self._keep(answers)
+        return self.cache.tokens
+
+    def _keep(self, answers) -> None:
+        """Cache each non-empty answer that fits the token bound, evicting the least recently used over the bounds."""
+        for answer in answers:
             if not answer or len(answer) > self.max_cached_tokens:
                 continue
             self.cache.add(answer)
@@ -335,18 +356,18 @@ class SuffixDrafter(Drafter):
         return continuation_tree(occurrences, depth, self.tree.nodes, self.min_token_prob, period_of)
 
     def _match(self, row: int) -> tuple[list[tuple], int, object]:
-        """Row `row`'s occurrences of its longest matched suffix, in its own text or the cache (both where they
-        match equally long), the draft depth that match allows, and the periods of its own text's occurrences."""
+        """Row `row`'s occurrences of its longest matched suffix, in its own text or else in the cache, the draft
+        depth that match allows, and the periods of its own text's occurrences. The row's own text (its prompt, the
+        answer so far) is the better evidence: the cache's match wins only where the text has none, or where it
+        is `CACHE_MARGIN` tokens longer."""
         text = self._texts[row]
         ((_, own),) = text.sequences.items()
         context = own[-self.max_match_length - 1 :].tolist()
         length, occurrences = text.candidates(context, self.max_match_length, self.max_candidates)
         if self.max_cached_requests:
             cached_length, cached = self.cache.candidates(context, self.max_match_length, self.max_candidates)
-            if cached_length > length:
+            if cached and (not occurrences or cached_length >= length + CACHE_MARGIN):
                 length, occurrences = cached_length, cached
-            elif cached_length == length:
-                occurrences = occurrences + cached[: self.max_candidates - len(occurrences)]
         for occurrence in occurrences[:1]:
             if occurrence[0] is not own:
                 self.cache.touch(occurrence[2])

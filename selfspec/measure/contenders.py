@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..adapter.static import compiled_generate_options
+from ..drafters.suffix import CACHED_TOKENS, SuffixDrafter
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..speculative import SelfSpeculative
 
@@ -239,3 +240,23 @@ def chain_contenders(model, heads: EagleHeads, draft_vocab, lengths: list[int]) 
         )  # fmt: skip
         for k in lengths
     ]
+
+
+def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads | None, draft_vocab) -> list[Contender]:
+    """Suffix drafting that remembers `answers` (token ids: `selfspec.chat.chat_answers` of a chat data set) before
+    the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too."""
+    tokens = sum(map(len, answers))
+    label = f"memory {tokens:,} tokens"
+
+    def remembering() -> SuffixDrafter:
+        drafter = SuffixDrafter(max_cached_tokens=CACHED_TOKENS + tokens)
+        drafter.remember(answers)
+        return drafter
+
+    field_ = [selfspec_contender(model, f"selfspec suffix, {label}", False, 1.0, drafter=remembering())]
+    if eagle_heads is not None:
+        vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+        field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
+                                         drafter=[remembering(), "heads"], heads=eagle_heads,
+                                         draft_vocab=draft_vocab))  # fmt: skip
+    return field_

@@ -26,6 +26,7 @@ from pathlib import Path
 import datasets
 import torch
 
+from ..chat import answer_spans
 from .config import DataConfig
 
 JSON_SUFFIXES = {".json", ".jsonl"}
@@ -77,9 +78,13 @@ def _render(rows: datasets.Dataset, config: DataConfig, tokenizer, origin: str) 
             for messages in batch[config.messages_field]:
                 text = tokenizer.apply_chat_template(messages, tokenize=False)
                 texts.append(text)
-                spans.append(
-                    _answer_spans(tokenizer, messages, text) if config.loss_on == "answers" else [[0, len(text)]]
-                )
+                if config.loss_on != "answers":
+                    spans.append([[0, len(text)]])
+                    continue
+                try:
+                    spans.append(answer_spans(tokenizer, messages, text))
+                except ValueError as error:
+                    raise ValueError(f"{error}: set data.loss_on: all to learn every token") from None
             return {"text": texts, "spans": spans}
 
     elif config.text_field in rows.column_names:
@@ -93,24 +98,6 @@ def _render(rows: datasets.Dataset, config: DataConfig, tokenizer, origin: str) 
             f"field (data.messages_field); its fields: {rows.column_names}"
         )
     return rows.map(render, batched=True, remove_columns=rows.column_names)
-
-
-def _answer_spans(tokenizer, messages: list[dict], text: str) -> list[list[int]]:
-    """The character spans of the assistant turns in the rendered conversation `text`: from the end of the
-    conversation before the turn (with the generation prompt) to the end of the conversation up to it."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                "the chat template does not render a conversation's turns as prefixes of it, so its answers cannot "
-                "be told apart from its prompts: set data.loss_on: all to learn every token"
-            )
-        spans.append([len(before), len(through)])
-    return spans
 
 
 def load_documents(files: list[str], config: DataConfig, tokenizer) -> datasets.Dataset:
