@@ -47,10 +47,12 @@ def conversation_answers(tokenizer, messages: list[dict]) -> list[list[int]]:
 
 def chat_answers(path: str | os.PathLike, tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     """The assistant turns of a chat data set (a .jsonl file, or .jsonl.gz, whose rows have `messages`) as the
-    token ids the model generates for them (`conversation_answers`), in file order, until `max_tokens` are read
-    (None: all). Raises ValueError for a file without chat rows or a tokenizer without a chat template or
-    offsets."""
+    token ids the model generates for them (`conversation_answers`), in file order, up to and including the row
+    whose answers reach `max_tokens` (None: all rows). Raises ValueError naming the row for a row that is not
+    JSON, has no `messages` or cannot be rendered, and for a tokenizer without a chat template or offsets."""
     path = Path(path)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be a positive number of tokens (None: all)")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{path}: reading chat answers needs a tokenizer with a chat template")
     if not getattr(tokenizer, "is_fast", False):
@@ -61,14 +63,17 @@ def chat_answers(path: str | os.PathLike, tokenizer, max_tokens: int | None = No
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"{path}: row {number} is not JSON ({error})") from None
             messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list):
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise ValueError(f"{path}: row {number} has no chat `messages` (a list of role / content turns)")
             try:
                 answers_here = conversation_answers(tokenizer, messages)
-            except ValueError as error:
-                raise ValueError(f"{path}: row {number}: {error}") from None
+            except Exception as error:  # the template's own errors (jinja2's) included: name the row
+                raise ValueError(f"{path}: row {number}: {error}") from error
             for ids in answers_here:
                 answers.append(ids)
                 total += len(ids)

@@ -156,6 +156,10 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     memory = ["--suffix_memory", str(chat), "--only", "suffix", "--no_sampling", "--output", str(tmp_path / "d")]
     with pytest.raises(SystemExit, match="--suffix_memory: .* needs a tokenizer with a chat template"):
         main(["bench", *common, "--repeats", "1", *memory])
+    with pytest.raises(SystemExit, match="--suffix_memory_tokens limits --suffix_memory"):
+        main(["bench", *common, "--suffix_memory_tokens", "10"])
+    with pytest.raises(SystemExit, match="not to --batch_sizes"):
+        main(["bench", *common, "--suffix_memory", str(chat), "--batch_sizes", "1,2"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(tmp_path / "model")
     assert main(["bench", *common, "--repeats", "1", *memory]) == 0

@@ -227,6 +227,11 @@ def test_chat_answers_are_the_assistant_turns_as_generated(tmp_path):
     bad.write_text(json.dumps({"text": "w1"}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="row 1 has no chat `messages`"):
         chat_answers(bad, tokenizer)
+    bad.write_text("{not json\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="row 1 is not JSON"):
+        chat_answers(bad, tokenizer)
+    with pytest.raises(ValueError, match="max_tokens=0 must be a positive"):
+        chat_answers(path, tokenizer, max_tokens=0)
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         chat_answers(path, tokenizer)
@@ -246,11 +251,43 @@ def test_remembered_answers_are_drafted_from_within_the_bound_and_stay_exact():
     # the remembered answer is drafted from: long accepted runs, more tokens per pass than without it
     assert warm.stats.accepted >= 30 and warm.stats.tokens_per_pass > cold.stats.tokens_per_pass
     assert drafter.remember([[7] * 60]) <= 100 and len(drafter.cache) == 2  # the least recently used went
-    assert drafter.remember([[7] * 101]) <= 100  # longer than the bound: not kept
+    kept = [list(sequence) for sequence in drafter.cache.sequences.values()]
+    assert drafter.remember([[7] * 101]) == 100  # longer than the bound: not kept, and nothing evicted for it
+    assert [list(sequence) for sequence in drafter.cache.sequences.values()] == kept
     with pytest.raises(ValueError, match="a list of answers"):
         drafter.remember([5, 6, 7])
-    with pytest.raises(ValueError, match="cache is off"):
-        SuffixDrafter(max_cached_requests=0).remember([[1, 2]])
+    for off in ({"max_cached_requests": 0}, {"max_cached_tokens": 0}):
+        with pytest.raises(ValueError, match="cache is off"):
+            SuffixDrafter(**off).remember([[1, 2]])
+
+
+class OneRow:
+    """The decoding state as a model-free drafter reads it: one row of tokens, no padding."""
+
+    def __init__(self, tokens):
+        self.sequences, self.pad_offset = torch.tensor([tokens]), torch.zeros(1, dtype=torch.long)
+
+    @property
+    def length(self):
+        return self.sequences.shape[1]
+
+
+def test_the_texts_own_match_wins_unless_the_caches_is_cache_margin_longer():
+    from selfspec.drafters.suffix import CACHE_MARGIN
+
+    own = [50, 1, 2, 99, 1, 2]  # its end, 1 2, matches its own start for 2 tokens: 99 follows there
+
+    def first_draft(cached):
+        drafter = SuffixDrafter(max_spec_factor=4.0)
+        drafter.remember([cached])
+        drafter.begin(OneRow(own), None)
+        assert drafter.available(OneRow(own))
+        return drafter.draft(OneRow(own), 1, None, False).tokens[0, 0].item()
+
+    assert CACHE_MARGIN == 4
+    assert first_draft([1, 2, 99, 1, 2, 77]) == 99  # the cache matches 5 tokens: 3 more, the text's own wins
+    assert first_draft([50, 1, 2, 99, 1, 2, 77]) == 77  # 6 tokens: 4 more, the cache's
+    assert first_draft([3, 1, 2, 77]) == 99  # as long as the text's own: the text's
 
 
 @pytest.mark.parametrize("make", [lambda: SuffixDrafter(num_speculative_tokens=5), lambda: NGramDrafter(5)])
@@ -267,8 +304,14 @@ def test_a_replay_counts_the_passes_of_a_fixed_gamma_run(make):
         output = spec.generate(prompt, max_new_tokens=30, do_sample=False)
         assert output[0, prompt.shape[1] :].tolist() == record.answer
         tokens, passes = tokens + spec.stats.new_tokens, passes + spec.stats.target_passes
-    result = replay(make(), records, 30, gamma=4)
+    replayed = make()
+    result = replay(replayed, records, 30, gamma=4)
     assert (result["tokens"], result["passes"]) == (tokens, passes)
+    if isinstance(replayed, SuffixDrafter):  # the memory holds what a run leaves there: whole answers
+        memory = [list(sequence) for sequence in replayed.cache.sequences.values()]
+        assert memory == [list(sequence) for sequence in spec.drafter.cache.sequences.values()]
+        assert sorted(memory) == sorted(record.answer for record in records)  # in least-recently-used order
+    assert replay(make(), records, 5, gamma=4)["tokens"] == 5 * len(records)  # answers cut at max_new_tokens
     assert result["tokens_per_pass"] > 1.2 and set(result["by_category"]) == {"a", "b"}
     with pytest.raises(ValueError, match="model-free chain drafter"):
         replay(SuffixDrafter(tree_nodes=4), records, 30)

@@ -39,6 +39,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     import transformers
 
+    if args.suffix_memory_tokens is not None and not args.suffix_memory:
+        raise SystemExit("--suffix_memory_tokens limits --suffix_memory: pass the chat data set too")
+    if args.suffix_memory and args.batch_sizes:
+        raise SystemExit("--suffix_memory adds contenders to the Spec-Bench or repeated runs, not to --batch_sizes")
     if not args.batch_sizes:
         check_plotting()
     model, tokenizer, heads, prompts, vocab = load_target(args, with_prompts=args.workload == "prompts")
@@ -104,6 +108,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "suffix_memory": args.suffix_memory,
+        "suffix_memory_tokens": args.suffix_memory_tokens,
     }
     write_json(rows, output / "bench.json", meta)
     if by_category:
@@ -166,7 +172,8 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     (output / "bench_repeated.md").write_text(table + "\n", encoding="utf-8")
     flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
     meta = {"workload": "repeated", "warmup": len(warm), "prompts": len(prompts), "dtype": str(model.dtype),
-            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+            "suffix_memory": args.suffix_memory, "suffix_memory_tokens": args.suffix_memory_tokens}  # fmt: skip
     write_json(flat, output / "bench_repeated.json", meta)
     print(f"wrote {output / 'bench_repeated.md'}, {output / 'bench_repeated.json'}")
     mismatched = [row["contender"] for row in rows if row["matched"] is False]

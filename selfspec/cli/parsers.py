@@ -140,7 +140,9 @@ def add_bench_parser(commands) -> None:
         "answers: training/data/smollm2-chat/train.jsonl.gz) before the first prompt",
     )
     bench.add_argument(
-        "--suffix_memory_tokens", type=int, help="--suffix_memory: read at most this many answer tokens (default: all)"
+        "--suffix_memory_tokens",
+        type=int,
+        help="--suffix_memory: stop reading after the row whose answers reach this many tokens (default: all)",
     )
     bench.add_argument(
         "--workload",

@@ -1,5 +1,5 @@
-"""Suffix drafting: propose the most frequent continuations of the text's longest earlier match, in this prompt,
-in what has been generated, and in earlier calls' answers.
+"""Suffix drafting: propose the most frequent continuations of the text's longest earlier match in this prompt and
+what has been generated, or in earlier calls' answers where that match is clearly longer (`CACHE_MARGIN`).
 
 Model-free like n-gram lookup, with three differences (the idea of SuffixDecoding, arXiv 2411.04975):
 - It remembers. A cache shared across calls holds earlier answers, bounded in tokens and evicted least recently
@@ -31,7 +31,8 @@ from ..engine.tree import CandidateTree
 
 CACHED_TOKENS = 200_000  # the cache's default bound in tokens (13.8 MiB on Python source in SmolLM2's tokens)
 # how much longer the cache's match must be than the text's own to be drafted from instead: replaying recorded
-# SmolLM2 answers, 4 drafted the most tokens per pass both on Spec-Bench questions and on a repeated task
+# SmolLM2 answers (docs/benchmarks.md), 2 to 8 drafted about as many tokens per pass on Spec-Bench questions and on a
+# repeated task, 1 fewer, and never preferring the cache fewer on the repeated task
 CACHE_MARGIN = 4
 
 
@@ -301,9 +302,10 @@ class SuffixDrafter(Drafter):
         """Put earlier answers (token id sequences: lists or 1-D tensors, as the model generates them, e.g.
         `selfspec.chat.chat_answers` of a chat data set) in the cache shared across calls, as if earlier calls
         had generated them, within its bounds (the least recently used go first). Returns the tokens the cache
-        holds now. Raises ValueError when the cache is off (max_cached_requests=0)."""
-        if not self.max_cached_requests:
-            raise ValueError("this SuffixDrafter's cache is off (max_cached_requests=0): it cannot remember answers")
+        holds now. Raises ValueError when the cache is off (max_cached_requests or max_cached_tokens 0)."""
+        if not self.max_cached_requests or not self.max_cached_tokens:
+            raise ValueError("this SuffixDrafter's cache is off (max_cached_requests=0 or max_cached_tokens=0): it "
+                             "cannot remember answers")  # fmt: skip
         answers = [answer.tolist() if isinstance(answer, torch.Tensor) else answer for answer in answers]
         if any(not isinstance(a, list | tuple) or not all(isinstance(t, int) for t in a) for a in answers):
             raise ValueError("remember() takes a list of answers, each a list (or 1-D tensor) of token ids")

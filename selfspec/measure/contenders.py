@@ -249,7 +249,7 @@ def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads |
     label = f"memory {tokens:,} tokens"
 
     def remembering() -> SuffixDrafter:
-        drafter = SuffixDrafter(max_cached_tokens=CACHED_TOKENS + tokens)
+        drafter = SuffixDrafter(max_cached_tokens=CACHED_TOKENS + tokens, max_cached_requests=10_000 + len(answers))
         drafter.remember(answers)
         return drafter
 

@@ -66,9 +66,9 @@ def replay(drafter: Drafter, records: list[Recorded], max_new_tokens: int, gamma
     totals = {"tokens": 0, "passes": 0, "drafted": 0}
     by_category: dict[str, list[int]] = {}
     for record in records:
-        answer = record.answer
+        answer = record.answer[:max_new_tokens]
+        drafter.begin(_Text(record.prompt), None)  # as the loop does: the prompt, before the first token
         sequence = record.prompt + answer[:1]  # the prefill's pass gave the first token
-        drafter.begin(_Text(sequence), None)
         done, passes = 1, 1
         while done < len(answer):
             accepted, limit = 0, min(gamma, max_new_tokens - done - 1)
