@@ -261,19 +261,9 @@ def test_remembered_answers_are_drafted_from_within_the_bound_and_stay_exact():
             SuffixDrafter(**off).remember([[1, 2]])
 
 
-class OneRow:
-    """The decoding state as a model-free drafter reads it: one row of tokens, no padding."""
-
-    def __init__(self, tokens):
-        self.sequences, self.pad_offset = torch.tensor([tokens]), torch.zeros(1, dtype=torch.long)
-
-    @property
-    def length(self):
-        return self.sequences.shape[1]
-
-
 def test_the_texts_own_match_wins_unless_the_caches_is_cache_margin_longer():
     from selfspec.drafters.suffix import CACHE_MARGIN
+    from selfspec.measure.replay import OneRow
 
     own = [50, 1, 2, 99, 1, 2]  # its end, 1 2, matches its own start for 2 tokens: 99 follows there
 

@@ -29,6 +29,7 @@ from ..engine.drafter import Draft, Drafter, Processing, Verified
 from ..engine.state import DecodeState
 from ..engine.tree import CandidateTree
 
+CACHED_REQUESTS = 10_000  # the cache's default bound in answers
 CACHED_TOKENS = 200_000  # the cache's default bound in tokens (13.8 MiB on Python source in SmolLM2's tokens)
 # how much longer the cache's match must be than the text's own to be drafted from instead: replaying recorded
 # SmolLM2 answers (docs/benchmarks.md), 2 to 8 drafted about as many tokens per pass on Spec-Bench questions and on a
@@ -235,7 +236,7 @@ class SuffixDrafter(Drafter):
         num_speculative_tokens: int = 16,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
-        max_cached_requests: int = 10_000,
+        max_cached_requests: int = CACHED_REQUESTS,
         max_cached_tokens: int = CACHED_TOKENS,
         max_match_length: int = 24,
         max_candidates: int = 64,

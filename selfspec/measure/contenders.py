@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..adapter.static import compiled_generate_options
-from ..drafters.suffix import CACHED_TOKENS, SuffixDrafter
+from ..drafters.suffix import CACHED_REQUESTS, CACHED_TOKENS, SuffixDrafter
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..speculative import SelfSpeculative
 
@@ -249,7 +249,8 @@ def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads |
     label = f"memory {tokens:,} tokens"
 
     def remembering() -> SuffixDrafter:
-        drafter = SuffixDrafter(max_cached_tokens=CACHED_TOKENS + tokens, max_cached_requests=10_000 + len(answers))
+        bounds = {"max_cached_tokens": CACHED_TOKENS + tokens, "max_cached_requests": CACHED_REQUESTS + len(answers)}
+        drafter = SuffixDrafter(**bounds)
         drafter.remember(answers)
         return drafter
 

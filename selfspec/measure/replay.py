@@ -42,8 +42,9 @@ def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, cate
     return records
 
 
-class _Text:
-    """What a model-free drafter reads of the decoding state: one row, no padding."""
+class OneRow:
+    """What a model-free drafter reads of the decoding state (`DecodeState`'s sequences, pad_offset and length):
+    one row of tokens, no padding."""
 
     def __init__(self, tokens: list[int]):
         self.sequences = torch.tensor([tokens])
@@ -67,12 +68,12 @@ def replay(drafter: Drafter, records: list[Recorded], max_new_tokens: int, gamma
     by_category: dict[str, list[int]] = {}
     for record in records:
         answer = record.answer[:max_new_tokens]
-        drafter.begin(_Text(record.prompt), None)  # as the loop does: the prompt, before the first token
+        drafter.begin(OneRow(record.prompt), None)  # as the loop does: the prompt, before the first token
         sequence = record.prompt + answer[:1]  # the prefill's pass gave the first token
         done, passes = 1, 1
         while done < len(answer):
             accepted, limit = 0, min(gamma, max_new_tokens - done - 1)
-            if limit > 0 and drafter.available(text := _Text(sequence)):
+            if limit > 0 and drafter.available(text := OneRow(sequence)):
                 proposal = drafter.draft(text, limit, None, False).tokens[0].tolist()
                 totals["drafted"] += len(proposal)
                 while accepted < len(proposal) and done + accepted < len(answer):
