@@ -4,6 +4,8 @@ sampling distributed as the target's law), alone and in a hybrid with n-gram loo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_batch import assert_rows_exact
@@ -13,9 +15,10 @@ from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_mo
 from transformers import DynamicCache
 
 from selfspec import SelfSpeculative
-from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from selfspec.adapter import ModelAdapter, UnsupportedModelError, unrolled
 from selfspec.drafters.eagle import append_right_aligned
 from selfspec.heads import EagleHeads, HeadsMismatchError, load_heads
+from selfspec.heads.eagle import unrolled_mask
 from selfspec.training.config import HeadsConfig
 from selfspec.training.distill import DistillationObjective, target_pass
 
@@ -56,10 +59,13 @@ def test_token_input_is_what_the_stack_feeds_layer_0(arch):
 UNROLLED = [("llama", None, "eagle"), ("gpt2", None, "eagle"), ("gemma2", [0, 2], "eagle3"), ("qwen2", [1], "eagle3")]
 
 
+@pytest.mark.parametrize("chunk", [256, 4])
 @pytest.mark.parametrize("arch,features,layout", UNROLLED)
-def test_unrolled_training_computes_what_drafting_computes(arch, features, layout):
+def test_unrolled_training_computes_what_drafting_computes(arch, features, layout, chunk, monkeypatch):
     """Step j of the unrolled training pass, at entry i, equals drafting step by step: the true entries up to
-    i - j in the head's cache, then j steps fed with the head's own outputs."""
+    i - j in the head's cache, then j steps fed with the head's own outputs. With queries in chunks of 4, the
+    block-sparse attention's slices cross chunk borders (`selfspec.adapter.unrolled`)."""
+    monkeypatch.setattr(unrolled, "CHUNK", chunk)
     model = tiny_model(arch)
     heads = eagle_heads(model, feature_layers=features, unroll=3, layout=layout)
     with torch.no_grad():  # norms away from ones, so that leaving one out would show
@@ -82,6 +88,54 @@ def test_unrolled_training_computes_what_drafting_computes(arch, features, layou
                     index = anchor + k
                     out = heads.step(out, states[:, index : index + 1], torch.full((2, 1), index), None, cache)
                 torch.testing.assert_close(out[:, 0], draft.hidden[:, i - j], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + NEW_ARCHITECTURES)
+def test_block_sparse_unrolled_attention_equals_the_dense_mask(arch, monkeypatch):
+    """The unrolled steps' block-sparse attention (queries in chunks of 3 here) gives the dense mask's outputs
+    and gradients on every family; families whose layer does not attend with SDPA keep the dense mask."""
+    model = tiny_model(arch)
+    heads = eagle_heads(model, unroll=4)  # eval mode: no dropout (GPT-2's), gradients all the same
+    hidden_states, _ = target_pass(model, torch.randint(3, 90, (2, 14), generator=torch.Generator().manual_seed(2)))
+
+    def outputs_and_grads(sparse: bool):
+        heads.zero_grad(set_to_none=True)
+        context = heads.body.unrolled if sparse else contextlib.nullcontext
+        monkeypatch.setattr(heads.body, "unrolled", context)
+        calls = []
+        monkeypatch.setattr(unrolled, "sdpa_attention_forward", lambda *a, **k: (calls.append(1), sdpa(*a, **k))[1])
+        drafts = heads.distillation_drafts(ModelAdapter(model), hidden_states)
+        outputs = [draft.hidden for draft in drafts]
+        torch.stack([(out * torch.linspace(-1, 1, out.shape[-1])).sum() for out in outputs]).sum().backward()
+        grads = {name: p.grad.clone() for name, p in heads.named_parameters() if p.grad is not None}
+        return outputs, grads, len(calls)
+
+    sdpa = unrolled.sdpa_attention_forward
+    monkeypatch.setattr(unrolled, "CHUNK", 3)
+    unrolled_method = heads.body.unrolled
+    dense, dense_grads, _ = outputs_and_grads(False)
+    monkeypatch.setattr(heads.body, "unrolled", unrolled_method)
+    sparse, sparse_grads, calls = outputs_and_grads(True)
+    attends_with_sdpa = heads.body.base.config._attn_implementation == "sdpa"
+    assert calls == (4 * 5 if attends_with_sdpa else 0)  # 4 steps x 5 chunks of the 13 entries
+    for a, b in zip(dense, sparse, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert dense_grads.keys() == sparse_grads.keys() and dense_grads
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length,step,chunk", [(13, 3, 3), (9, 1, 4), (6, 5, 2), (8, 2, 8)])
+def test_unrolled_key_ranges_cover_every_key_the_mask_allows(length, step, chunk):
+    """Every key that `unrolled_mask` lets a query of a chunk see is inside that chunk's key ranges."""
+    allowed = unrolled_mask(length, step, torch.float32, "cpu")[0, 0] == 0
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        inside = torch.zeros(allowed.shape[-1], dtype=torch.bool)
+        for lo, hi in unrolled._key_ranges(start, end, step, length):
+            inside[lo:hi] = True
+        assert not (allowed[start:end] & ~inside).any()
+        assert inside.sum() < allowed.shape[-1] or length <= chunk  # and it leaves keys out
 
 
 NO_JOINED_INPUT = {"gpt2": "no linear q/k/v", "olmo2": "no input norm", "cohere2": "feeds more than the attention"}

@@ -550,11 +550,32 @@ def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):
 
 
 def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
+    """An EAGLE-3 head trains and drafts exactly; with eval.save_heads the heads folder is also written at the
+    evaluation before the end (step 3 of 6), holding the heads of that step."""
+    from safetensors.torch import load_file
+
     from selfspec import EagleHeads
 
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    saved, save_heads = [], train_heads.Run.save_heads
+
+    def save_and_read(run, rows, lora=None):
+        save_heads(run, rows, lora)
+        written = load_file(world["root"] / "eagle" / "heads" / "model.safetensors")
+        live = {name: tensor.detach().clone() for name, tensor in run.heads.state_dict().items()}
+        saved.append((run.progress.step, written, live))
+
+    monkeypatch.setattr(train_heads.Run, "save_heads", save_and_read)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
-    train_in_process(write_config(world, "eagle", **overrides, **{"train.max_steps": 6, "eval.every": 6}))
+    train_in_process(write_config(world, "eagle", **overrides, **{"train.max_steps": 6, "eval.every": 3}))
+    assert [step for step, _, _ in saved] == [3, 6]
+    for _, written, live in saved:  # each save holds the heads as they were at its step
+        assert written.keys() == live.keys() and all(torch.equal(written[n], live[n]) for n in live)
+    assert any(not torch.equal(saved[0][1][name], saved[1][1][name]) for name in saved[0][1])  # trained on
     facts = summary(world, "eagle")
     assert [row["draft"] for row in facts["rows"]] == ["eagle_0", "eagle_1"]
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()

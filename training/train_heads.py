@@ -313,6 +313,8 @@ class Run:
                 rows = self.report(costs)
                 if acc.is_main_process:
                     bar.write(format_table(rows))
+                if config.eval.save_heads and progress.step < tc.max_steps:  # the last ones: `finish`
+                    self.save_heads(rows)
                 started = time.perf_counter()  # evaluation time is not training time
             if progress.step % tc.checkpoint_every == 0 or progress.step == tc.max_steps:
                 save_checkpoint(acc, config, progress.step)
@@ -350,7 +352,16 @@ class Run:
             )
 
     def finish(self, rows: list[dict]) -> None:
-        """Check that the target is unchanged, write the heads folder with its card and a summary."""
+        """Write the heads folder with its card and a summary; end the run."""
+        acc = self.accelerator
+        lora = self.lora_comparison() if self.heads.draft_lora is not None else None
+        self.save_heads(rows, lora)
+        acc.wait_for_everyone()  # the process group ends when every process is done, not while one still saves
+        acc.end_training()
+
+    def save_heads(self, rows: list[dict], lora: str | None = None) -> None:
+        """Check that the target is unchanged, then write the heads as they are now, with their card (`rows`:
+        this step's evaluation) and a summary."""
         acc, progress, config = self.accelerator, self.progress, self.config
         digest = state_digest(self.model)
         if digest != self.target_digest:
@@ -368,15 +379,12 @@ class Run:
             if acc.device.type == "cpu"
             else str(acc.device),
         }
-        lora = self.lora_comparison() if self.heads.draft_lora is not None else None
         if acc.is_main_process:
             heads = acc.unwrap_model(self.objective).heads
             heads.save_pretrained(config.heads_dir, card=heads_card(config, heads, rows, facts, lora))
             summary = {**facts, "target_digest_before": self.target_digest, "heads_dir": config.heads_dir, "rows": rows}
             (self.out / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
             acc.print(f"saved heads to {config.heads_dir} after {progress.step} steps")
-        acc.wait_for_everyone()  # the process group ends when every process is done, not while one still saves
-        acc.end_training()
 
 
 def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> None:

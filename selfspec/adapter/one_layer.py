@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 from ..families import SUPPORTED_ARCHITECTURES, unsupported_message
 from .core import UnsupportedModelError, cache_keyword
+from .unrolled import unrolled_attention
 
 LAYOUTS = ("eagle", "eagle3")
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")  # what reads the attention's input
@@ -108,6 +109,11 @@ class OneLayerModel(nn.Module):
                 f"layout 'eagle3' does not fit {model_type}'s decoder layer (its normed input feeds more than the "
                 f"attention): {error}. Use layout 'eagle'."
             ) from error
+
+    def unrolled(self):
+        """A context in which the layer attends with the unrolled training steps' block-sparse attention
+        (`selfspec.adapter.unrolled`): every call inside must pass `selfspec.heads.eagle.unrolled_mask`'s pattern."""
+        return unrolled_attention(self.base.config)
 
     def forward(self, hidden, position_ids, attention_mask, cache: DynamicCache, token_states=None) -> torch.Tensor:
         """`hidden` [batch, n, H] at `position_ids` [batch, n] (with layout eagle3, the next tokens' `token_states`

@@ -140,11 +140,12 @@ class EagleHeads(DraftHeads):
         positions = torch.arange(length, device=features.device)[None].expand(batch, -1)
         cache, hidden, drafts = DynamicCache(), self.fused(features), []
         weight = next(self.parameters())
-        for j in range(min(self.unroll, length)):
-            mask = unrolled_mask(length, j, weight.dtype, weight.device).expand(batch, -1, -1, -1)
-            outputs = self.step(hidden, states, positions, mask, cache)
-            drafts.append(Draft(f"eagle_{j}", outputs[:, j:], j + 1, self._head(adapter, vocab), STEP_WEIGHT**j))
-            hidden = torch.cat([torch.zeros_like(outputs[:, :1]), outputs[:, :-1]], dim=1)  # fed back, one index on
+        with self.body.unrolled():  # each step's keys: a causal prefix and one entry per earlier step
+            for j in range(min(self.unroll, length)):
+                mask = unrolled_mask(length, j, weight.dtype, weight.device).expand(batch, -1, -1, -1)
+                outputs = self.step(hidden, states, positions, mask, cache)
+                drafts.append(Draft(f"eagle_{j}", outputs[:, j:], j + 1, self._head(adapter, vocab), STEP_WEIGHT**j))
+                hidden = torch.cat([torch.zeros_like(outputs[:, :1]), outputs[:, :-1]], dim=1)  # fed back, one on
         return drafts
 
     def _head(self, adapter: ModelAdapter, vocab):

@@ -281,6 +281,9 @@ class EvalConfig:
     timing_repeats: int = 20  # timed repetitions per measurement (the median is used)
     max_gamma: int = 8  # the predicted speedup is maximised over gamma = 1..max_gamma
     measure_v: bool = False  # also measure v(gamma) = verify(gamma+1 positions) / one step; else v = 1
+    # write the heads and their card to heads_dir at every evaluation, not only at the end: a run that a session's
+    # end stops leaves its last evaluated heads to try and commit (a later --resume carries on)
+    save_heads: bool = True
 
     def __post_init__(self):
         _at_least("eval", self, 1, ("every", "max_rows", "batch_size", "timing_context", "timing_repeats", "max_gamma"))
