@@ -57,6 +57,56 @@ def test_instructions_are_seeded_prefix_stable_and_cover_every_kind():
     assert "deutscher" in translation or "française" in translation
 
 
+WIKI_PAGE = """<page><title>{title}</title><revision><text xml:space="preserve">{{{{Infobox|name={title}}}}}
+'''{title}''' is a [[thing|kind of thing]] studied by [[people]] since 1900.<ref>Smith 2001</ref> {words}
+== History ==
+* a list item that is not prose at all but long enough to count as twenty words if it were prose ok
+{words}
+[[Category:Things]]</text></revision></page>
+<page><title>Old {title}</title><revision><text>#REDIRECT [[{title}]]</text></revision></page>"""
+
+
+def fake_prose_wheel(folder: Path) -> Path:
+    """A zip holding the two files `material.wheel_prose` reads, in the wheel's paths: 3 news stories (one too
+    short) and 4 encyclopedia articles (one too short), each with a redirect."""
+    import bz2
+    import zipfile
+
+    from chat_data import material
+
+    words = " ".join(f"word{i}" for i in range(160))
+    stories = [f"Story {i} begins here. " + words for i in range(2)] + ["A short story."]
+    pages = [WIKI_PAGE.format(title=f"Topic {i}", words=words if i < 3 else "few") for i in range(4)]
+    wheel = folder / "gensim-4.4.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(material.NEWS_FILE, "\n".join(stories) + "\n")
+        archive.writestr(material.WIKI_FILE, bz2.compress(("<mediawiki>" + "".join(pages) + "</mediawiki>").encode()))
+    return wheel
+
+
+def test_prose_instructions_come_from_the_wheels_news_and_articles(tmp_path):
+    """The prose run reads news stories and encyclopedia articles from the wheel (markup, references, lists,
+    headings and redirects left out; links shown by their text) and builds seeded, prefix-stable instructions
+    of every prose kind from them."""
+    from chat_data import material
+
+    wheel = str(fake_prose_wheel(tmp_path))
+    news, articles = material.wheel_prose(wheel)
+    assert [story.split(".")[0] for story in news] == ["Story 0 begins here", "Story 1 begins here"]
+    assert [title for title, _ in articles] == ["Topic 0", "Topic 1", "Topic 2"]
+    text = articles[0][1]
+    assert text.startswith("Topic 0 is a kind of thing studied by people since 1900. word0")
+    for leftover in ("{{", "[[", "<ref", "Smith", "==", "list item", "Category", "''", "REDIRECT"):
+        assert leftover not in text
+    prose = kinds.Prose(wheel)
+    many = make_chat_data.build_instructions(120, seed=1, prose=prose)
+    assert make_chat_data.build_instructions(30, seed=1, prose=prose) == many[:30]
+    assert {s.kind for s in many} == set(kinds.PROSE_SHARES)
+    assert all(any(w in s.text for w in ("Story", "word1", "Topic")) for s in many)  # each carries material
+    summary = next(s.text for s in many if s.kind == "wiki summary")
+    assert 150 <= len(summary.split()) <= 820
+
+
 def tiny_target(folder: Path, uniform: bool = False) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -97,6 +97,7 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--data.source", "' '"], "data.source must give file globs or hub:<data set name>"),
         (["--data.source", "hub:"], "config key 'data.source' expects str, got {'hub': None}"),
         (["--target.dtype", "int8"], "target.dtype must be one of"),
+        (["--train.save_dtype", "int8"], "train.save_dtype must be one of float32, bfloat16, float16; got 'int8'"),
         (["--heads.exit_layers", "[]"], "heads.exit_layers must list at least one depth"),
     ],
 )

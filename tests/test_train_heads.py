@@ -551,7 +551,7 @@ def test_medusa_heads_train_and_generate_exactly(world, monkeypatch):
 
 def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
     """An EAGLE-3 head trains and drafts exactly; with eval.save_heads the heads folder is also written at the
-    evaluation before the end (step 3 of 6), holding the heads of that step."""
+    evaluation before the end (step 3 of 6), holding the heads of that step (train.save_dtype: in bfloat16)."""
     from safetensors.torch import load_file
 
     from selfspec import EagleHeads
@@ -571,10 +571,12 @@ def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
     monkeypatch.setattr(train_heads.Run, "save_heads", save_and_read)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
-    train_in_process(write_config(world, "eagle", **overrides, **{"train.max_steps": 6, "eval.every": 3}))
+    steps = {"train.max_steps": 6, "eval.every": 3, "train.save_dtype": "bfloat16"}
+    train_in_process(write_config(world, "eagle", **overrides, **steps))
     assert [step for step, _, _ in saved] == [3, 6]
-    for _, written, live in saved:  # each save holds the heads as they were at its step
-        assert written.keys() == live.keys() and all(torch.equal(written[n], live[n]) for n in live)
+    for _, written, live in saved:  # each save holds the heads as they were at its step, in bfloat16
+        assert written.keys() == live.keys() and {t.dtype for t in written.values()} == {torch.bfloat16}
+        assert all(torch.equal(written[n], live[n].to(torch.bfloat16)) for n in live)
     assert any(not torch.equal(saved[0][1][name], saved[1][1][name]) for name in saved[0][1])  # trained on
     facts = summary(world, "eagle")
     assert [row["draft"] for row in facts["rows"]] == ["eagle_0", "eagle_1"]

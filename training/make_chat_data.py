@@ -12,7 +12,9 @@ pages (summaries, extraction and questions over passages of 120-850 words), gett
 messages in eleven languages, translated into English), the standard library's docstrings (coding), word
 lists (writing, roleplay, STEM, humanities, short questions) and random numbers (math, reasoning). A share
 of the slots ("magpie") holds user turns the target writes itself, sampled at T=1 after its chat
-template's user prefix. Every instruction is answered greedily or at T=0.7 (half each), by transformers in
+template's user prefix. With `--prose_wheel` the instructions come instead from the news stories and
+encyclopedia articles in gensim's wheel (`pip download --no-deps gensim==4.4.0`; kinds.PROSE_MAKERS), in a run
+of their own. Every instruction is answered greedily or at T=0.7 (half each), by transformers in
 batches whose finished rows leave (chat_data/decode.py) or by vLLM's offline engine (`--engine vllm`, in
 vLLM's own environment, on the target written as a model folder); a fifth of them get a second user turn
 (a follow-up such as "Can you make it shorter?") and a second answer. Every 10th instruction is held out.
@@ -69,15 +71,19 @@ class Instruction:
     follow_up: str | None  # the second user turn, for two-turn conversations
 
 
-def build_instructions(count: int, seed: int, material: kinds.Material | None = None) -> list[Instruction]:
-    """`count` instruction slots in a seeded order, kinds drawn by kinds.SHARES, texts without repeats."""
+def build_instructions(count: int, seed: int, material=None, prose: kinds.Prose | None = None) -> list[Instruction]:
+    """`count` instruction slots in a seeded order, kinds drawn by kinds.SHARES (with `prose`: by
+    kinds.PROSE_SHARES, from its articles), texts without repeats."""
     rng = random.Random(seed)
-    material = material or kinds.Material()
-    names, weights = zip(*kinds.SHARES.items(), strict=True)
+    if prose is not None:
+        material, makers, shares = prose, kinds.PROSE_MAKERS, kinds.PROSE_SHARES
+    else:
+        material, makers, shares = material or kinds.Material(), kinds.MAKERS, kinds.SHARES
+    names, weights = zip(*shares.items(), strict=True)
     slots, seen = [], set()
     while len(slots) < count:  # every draw in order, so a smaller count gives a prefix of a larger one
         kind = rng.choices(names, weights)[0]
-        text = None if kind == "magpie" else kinds.MAKERS[kind](rng, material)
+        text = None if kind == "magpie" else makers[kind](rng, material)
         if text is not None and text in seen:
             continue
         seen.add(text)
@@ -188,6 +194,8 @@ def generate(args) -> None:
     # what decides the instructions and their answers; the target's form (its name, or a folder for vLLM), the
     # engine and the dtype may change between sessions and machines (each row records its engine and dtype)
     settings = {k: getattr(args, k) for k in ("count", "seed", "max_new_tokens", "max_prompt_tokens")}
+    if args.prose_wheel:  # recorded by name: the same wheel elsewhere builds the same instructions
+        settings["prose_wheel"] = Path(args.prose_wheel).name
     settings_path = out_dir / "settings.json"
     if settings_path.exists():
         before = json.loads(settings_path.read_text())
@@ -198,7 +206,7 @@ def generate(args) -> None:
             )
     else:
         settings_path.write_text(json.dumps({"target": args.target, **settings}) + "\n")
-    slots = build_instructions(args.count, args.seed)
+    slots = build_instructions(args.count, args.seed, prose=kinds.Prose(args.prose_wheel) if args.prose_wheel else None)
     magpie = {row["index"]: row["text"] for row in card.read_jsonl(out_dir / "magpie.jsonl", repair=True)}
     rows = card.read_jsonl(out_dir / "rows.jsonl", repair=True)
     first = {row["index"]: row for row in rows if row["turns"] in (0, 1)}
@@ -261,6 +269,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", default=TARGET, help="known target name or model folder")
     parser.add_argument("--count", type=int, default=NUM_INSTRUCTIONS, help="instruction slots to build")
     parser.add_argument("--seed", type=int, default=0, help="instructions, their order, decoding mode, sampling")
+    parser.add_argument(
+        "--prose_wheel",
+        help=f"instructions over news and encyclopedia articles instead, from {kinds.material.PROSE_WHEEL}'s wheel "
+        f"(pip download --no-deps {kinds.material.PROSE_WHEEL}): a run and data folder of their own",
+    )
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--batch_size", type=int, default=BATCH_SIZE)
     parser.add_argument("--token_budget", type=int, default=TOKEN_BUDGET)

@@ -381,7 +381,8 @@ class Run:
         }
         if acc.is_main_process:
             heads = acc.unwrap_model(self.objective).heads
-            heads.save_pretrained(config.heads_dir, card=heads_card(config, heads, rows, facts, lora))
+            card, dtype = heads_card(config, heads, rows, facts, lora), getattr(torch, config.train.save_dtype)
+            heads.save_pretrained(config.heads_dir, card=card, dtype=dtype)
             summary = {**facts, "target_digest_before": self.target_digest, "heads_dir": config.heads_dir, "rows": rows}
             (self.out / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
             acc.print(f"saved heads to {config.heads_dir} after {progress.step} steps")

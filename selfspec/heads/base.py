@@ -173,9 +173,14 @@ class DraftHeads(nn.Module):
         settings = {**self.settings(), "position_cost": self.position_cost, "draft_lora": lora}
         return {"kind": self.kind, **settings, "target": self.fingerprint.to_dict()}
 
-    def save_pretrained(self, path: str | os.PathLike, card: str | None = None) -> None:
-        """Write config, weights and card atomically: a crash leaves the old folder or the new one."""
+    def save_pretrained(
+        self, path: str | os.PathLike, card: str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """Write config, weights and card atomically: a crash leaves the old folder or the new one. `dtype`: the
+        floating-point weights' dtype in the file (default: as they are); loading casts them to the heads' own."""
         state = {name: tensor.detach() for name, tensor in self.state_dict().items()}
+        if dtype is not None:
+            state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
         card = card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
         write_folder(Path(path), self.config_dict(), state, card, {"format": "pt", "kind": self.kind})
 

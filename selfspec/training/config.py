@@ -260,9 +260,12 @@ class TrainConfig:
     num_threads: int | None = None  # torch.set_num_threads (1 on a busy CPU); None keeps torch's choice
     checkpoint_every: int = 200  # steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+    save_dtype: str = "float32"  # the weights written to heads_dir: float32 | bfloat16 | float16 (half the folder);
+    # training and its checkpoints stay in float32
 
     def __post_init__(self):
         _one_of("train.loss", self.loss, ("kl", "soft_ce"))
+        _one_of("train.save_dtype", self.save_dtype, ("float32", "bfloat16", "float16"))
         _one_of("train.mixed_precision", self.mixed_precision, ("auto", "bf16", "fp16", "no"))
         names = ("max_steps", "batch_size", "gradient_accumulation_steps", "checkpoint_every", "keep_checkpoints")
         _at_least("train", self, 1, names)

@@ -37,6 +37,12 @@ SOURCES = {
     "rag": "manual pages (250-750 words) with a question",
     "qa": "ISO 3166 country names; short factual questions",
     "magpie": "the target's own user turns, sampled at T=1 after its chat template's user prefix",
+    "news summary": "ABC news stories (gensim's Lee corpus, 100-400 words) to summarise",
+    "news questions": "ABC news stories with a question about them",
+    "news writing": "a news report to write from a story's first sentence",
+    "wiki summary": "English Wikipedia articles (gensim's shortened dump): passages of 300-800 words to summarise",
+    "wiki rag": "Wikipedia passages of 200-700 words with a question",
+    "wiki qa": "questions on Wikipedia article titles, without a passage",
 }
 
 
@@ -161,6 +167,20 @@ def pack(out_dir: Path, dest: Path) -> None:
     decoders = Counter(f"{r.get('engine', 'transformers')} in {r.get('dtype', '?')}" for r in rows)
     engines = ", ".join(f"{count:,} by {decoder}" for decoder, count in sorted(decoders.items()))
     total = sum(r["answer_tokens"] for r in rows)
+    wheel = settings.get("prose_wheel")
+    if wheel:
+        sources = (
+            f"the instructions are built from the news stories and encyclopedia articles in `{wheel}` (its test "
+            "data, no benchmark's: `pip download --no-deps gensim==4.4.0`) by `training/chat_data/kinds.py`"
+        )
+        options = f" --prose_wheel {wheel}"
+    else:
+        sources = (
+            "the instructions come from material on a Debian machine with Python (manual pages, gettext catalogues, "
+            "standard-library docstrings, the ISO country list), word lists and random numbers in "
+            "`training/chat_data/kinds.py`, and the target's own user turns (Magpie)"
+        )
+        options = ""
     card = [
         f"# Chat data for `{settings['target']}`: its own answers to {len(rows):,} instructions",
         "",
@@ -170,10 +190,8 @@ def pack(out_dir: Path, dest: Path) -> None:
         "chat `messages` (`data.messages_field` in a training config), the instruction's `kind`, whether it was "
         "`sampled` (T=0.7) or greedy, and the prompt and answer lengths in the target's tokens.",
         "",
-        "No benchmark prompt is among them: the instructions come from material on a Debian machine with Python "
-        "(manual pages, gettext catalogues, standard-library docstrings, the ISO country list), word lists and "
-        "random numbers in `training/chat_data/kinds.py`, and the target's own user turns (Magpie). The target "
-        f"answered every one itself ({engines}), greedily or at T=0.7, at most "
+        f"No benchmark prompt is among them: {sources}. The target answered every one itself ({engines}), "
+        "greedily or at T=0.7, at most "
         f"{settings['max_new_tokens']} new tokens per answer. A fifth of the instructions drew a follow-up turn, "
         f"answered where the first answer ended within its cap: {sum(r['turns'] == 2 for r in rows):,} "
         "conversations have two turns.",
@@ -191,9 +209,10 @@ def pack(out_dir: Path, dest: Path) -> None:
         "# the target as a model folder for vLLM, then answers with vLLM's offline engine in its own environment",
         f"selfspec export --format hf --model {settings['target']} --dtype bfloat16 --output runs/target-hf",
         "OMP_NUM_THREADS=1 .venv-vllm/bin/python training/make_chat_data.py --engine vllm --target runs/target-hf "
-        f"--out_dir runs/chat --count {settings['count']} --seed {settings['seed']} --window 512 --resume_from {dest}",
+        f"--out_dir runs/chat --count {settings['count']} --seed {settings['seed']}{options} --window 512 "
+        f"--resume_from {dest}",
         f"# or with transformers: python training/make_chat_data.py --out_dir runs/chat --count {settings['count']} "
-        f"--seed {settings['seed']} --resume_from {dest}",
+        f"--seed {settings['seed']}{options} --resume_from {dest}",
         f"python training/make_chat_data.py --out_dir runs/chat --pack {dest}   # these files",
         "```",
         "",

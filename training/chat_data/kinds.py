@@ -287,3 +287,110 @@ FOLLOW_UPS = (
     "What would be a good title for this?",
     "Are you sure? Please check your answer.",
 )
+
+
+# ---- prose instructions: news and encyclopedia articles (material.wheel_prose), a run of their own ----
+
+
+@dataclass
+class Prose:
+    """News stories and encyclopedia articles from PROSE_WHEEL's wheel at `wheel`, read once."""
+
+    wheel: str
+
+    def __post_init__(self):
+        self.news, self.articles = material.wheel_prose(self.wheel)
+
+    def passage(self, rng: random.Random, min_words: int, max_words: int) -> tuple[str, str]:
+        """(title, text): whole paragraphs of one article, from a random one on, of about min..max words."""
+        title, text = rng.choice(self.articles)
+        paragraphs = text.split("\n\n")
+        start, kept, words = rng.randrange(len(paragraphs)), [], 0
+        for paragraph in paragraphs[start:] + paragraphs[:start]:
+            count = len(paragraph.split())
+            if words + count > max_words and words >= min_words:
+                break
+            kept.append(paragraph if words + count <= max_words else " ".join(paragraph.split()[: max_words - words]))
+            words += min(count, max_words - words)
+        return title, "\n\n".join(kept)
+
+
+def news_summary(rng: random.Random, p: Prose) -> str:
+    story = rng.choice(p.news)
+    ask = rng.choice(
+        (
+            "Summarize the following news article.",
+            "Write a short summary of this news story.",
+            "Give me the main points of this article in a few sentences.",
+            "Summarize this article in two sentences.",
+        )
+    )
+    return f"{ask}\n\n{story}" if rng.random() < 0.7 else f"Article: {story}\n\n{ask}"
+
+
+def news_questions(rng: random.Random, p: Prose) -> str:
+    question = rng.choice(
+        (
+            "What happened, according to the article?",
+            "Who is involved, and what did they say or do?",
+            "Where and when did this take place?",
+            "What are the consequences described in the article?",
+            "What numbers does the article report, and what do they measure?",
+        )
+    )
+    return f"Read the news article and answer the question.\n\nArticle: {rng.choice(p.news)}\n\nQuestion: {question}"
+
+
+def news_writing(rng: random.Random, p: Prose) -> str:
+    opening = re.split(r"(?<=[.!?]) ", rng.choice(p.news), maxsplit=1)[0]
+    return rng.choice(
+        (
+            f"Write a short news report that begins with this sentence: {opening}",
+            f"Write a headline and a three-paragraph news story about this: {opening}",
+        )
+    )
+
+
+def wiki_summary(rng: random.Random, p: Prose) -> str:
+    title, text = p.passage(rng, 300, 800)
+    ask = rng.choice(("Summarize the following text.", f"Summarize this passage about {title}.", "TL;DR:"))
+    return f"{ask}\n\n{text}" if rng.random() < 0.6 else f"{text}\n\n{ask}"
+
+
+def wiki_rag(rng: random.Random, p: Prose) -> str:
+    title, text = p.passage(rng, 200, 700)
+    question = rng.choice(
+        (
+            f"What is {title}?",
+            f"What does the passage say about the history of {title}?",
+            "What are the key facts in this passage?",
+            f"Why is {title} important, according to the passage?",
+            "Which people, places or dates does the passage mention?",
+        )
+    )
+    return f"Answer the question based on the passage.\n\nPassage: {text}\n\nQuestion: {question}"
+
+
+def wiki_qa(rng: random.Random, p: Prose) -> str:
+    title = rng.choice(p.articles)[0]
+    return rng.choice(
+        (
+            f"What is {title}?",
+            f"Tell me about {title}.",
+            f"Give me a short history of {title}.",
+            f"Explain {title} to {rng.choice(AUDIENCES)}.",
+            f"What are three interesting facts about {title}?",
+        )
+    )
+
+
+PROSE_MAKERS = {
+    "news summary": news_summary,
+    "news questions": news_questions,
+    "news writing": news_writing,
+    "wiki summary": wiki_summary,
+    "wiki rag": wiki_rag,
+    "wiki qa": wiki_qa,
+}
+PROSE_SHARES = {"news summary": 2.0, "news questions": 1.0, "news writing": 1.0, "wiki summary": 1.5, "wiki rag": 2.0,
+                "wiki qa": 1.0}  # fmt: skip

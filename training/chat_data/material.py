@@ -147,3 +147,53 @@ def countries() -> list[str]:
             return sorted(entry["name"] for entry in json.load(handle)["3166-1"] if "," not in entry["name"])
     except OSError:
         return ["Argentina", "Brazil", "Canada", "Egypt", "France", "India", "Japan", "Kenya", "Norway", "Peru"]
+
+
+# ---- prose from a wheel: news articles and encyclopedia articles ----
+# gensim's wheel (PyPI) carries test data that no benchmark uses: 300 Australian Broadcasting Corporation news
+# articles (the Lee corpus, one per line) and a shortened English Wikipedia dump. `pip download --no-deps
+# gensim==4.4.0` fetches it; nothing is installed, the files are read from the zip.
+PROSE_WHEEL = "gensim==4.4.0"
+NEWS_FILE = "gensim/test/test_data/lee_background.cor"
+WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def clean_wikitext(text: str) -> str:
+    """Plain paragraphs from an article's wikitext: templates, tables, references, files, categories, markup and
+    headings removed; links become their shown text. Paragraphs under 20 words (lists, captions) are dropped."""
+    text = re.sub(r"<!--.*?-->|<ref[^>/]*/>|<ref[^>]*>.*?</ref>", "", text, flags=re.S)
+    for _ in range(4):  # templates and tables nest
+        text = re.sub(r"\{\{[^{}]*\}\}|\{\|[^{}]*?\|\}", "", text, flags=re.S)
+    text = re.sub(r"\[\[(?:File|Image|Category):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", text, flags=re.I)
+    text = re.sub(r"\[\[(?:[^|\]]*\|)?([^\]]*)\]\]", r"\1", text)  # [[target|shown]] -> shown
+    text = re.sub(r"\[https?://\S+ ([^\]]*)\]|\[https?://\S+\]", r"\1", text)
+    text = re.sub(r"'{2,}|<[^>]+>|&nbsp;", " ", text)
+    paragraphs = []
+    for block in text.split("\n"):
+        line = " ".join(block.split())
+        if line.startswith(("=", "*", "#", ":", ";", "|", "!", "{", "}")) or len(line.split()) < 20:
+            continue
+        paragraphs.append(line)
+    return "\n\n".join(paragraphs)
+
+
+def wheel_prose(wheel: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """(news articles of 100 words or more, (title, plain text) of encyclopedia articles of 300 words or more)
+    from the wheel `wheel` (a path to PROSE_WHEEL's .whl)."""
+    import bz2
+    import html
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        news = archive.read(NEWS_FILE).decode("utf-8")
+        dump = bz2.decompress(archive.read(WIKI_FILE)).decode("utf-8")
+    articles = []
+    for title, body in re.findall(r"<title>(.*?)</title>.*?<text[^>]*>(.*?)</text>", dump, flags=re.S):
+        body = html.unescape(body)
+        if body.lstrip().upper().startswith("#REDIRECT"):
+            continue
+        text = clean_wikitext(body)
+        if len(text.split()) >= 300:
+            articles.append((html.unescape(title), text))
+    stories = [" ".join(line.split()) for line in news.splitlines() if len(line.split()) >= 100]
+    return sorted(stories), sorted(articles)
