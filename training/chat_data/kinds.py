@@ -221,17 +221,21 @@ def translation(rng: random.Random, m: Material) -> str:
     return rng.choice((f"Translate {language} to English: ", "Translate into English:\n", "")) + " ".join(sentences)
 
 
+def asked(rng: random.Random, text: str, asks: tuple[str, ...], first: float = 0.7, label: str = "") -> str:
+    """One of `asks` before `text` (with chance `first`), else after it (the text then led by `label`)."""
+    ask = rng.choice(asks)
+    return f"{ask}\n\n{text}" if rng.random() < first else f"{label}{text}\n\n{ask}"
+
+
 def summarization(rng: random.Random, m: Material) -> str:
     title, text = m.passage(rng, 300, 850)
-    ask = rng.choice(
-        (
-            "Summarize the following text.",
-            "Summarize the following document in a few sentences.",
-            "Write a one-paragraph summary of this article.",
-            "What is this text about? Summarize it.",
-        )
+    asks = (
+        "Summarize the following text.",
+        "Summarize the following document in a few sentences.",
+        "Write a one-paragraph summary of this article.",
+        "What is this text about? Summarize it.",
     )
-    return f"{ask}\n\n{text}" if rng.random() < 0.7 else f"{text}\n\n{ask}"
+    return asked(rng, text, asks)
 
 
 def rag(rng: random.Random, m: Material) -> str:
@@ -317,15 +321,13 @@ class Prose:
 
 def news_summary(rng: random.Random, p: Prose) -> str:
     story = rng.choice(p.news)
-    ask = rng.choice(
-        (
-            "Summarize the following news article.",
-            "Write a short summary of this news story.",
-            "Give me the main points of this article in a few sentences.",
-            "Summarize this article in two sentences.",
-        )
+    asks = (
+        "Summarize the following news article.",
+        "Write a short summary of this news story.",
+        "Give me the main points of this article in a few sentences.",
+        "Summarize this article in two sentences.",
     )
-    return f"{ask}\n\n{story}" if rng.random() < 0.7 else f"Article: {story}\n\n{ask}"
+    return asked(rng, story, asks, label="Article: ")
 
 
 def news_questions(rng: random.Random, p: Prose) -> str:
@@ -353,8 +355,7 @@ def news_writing(rng: random.Random, p: Prose) -> str:
 
 def wiki_summary(rng: random.Random, p: Prose) -> str:
     title, text = p.passage(rng, 300, 800)
-    ask = rng.choice(("Summarize the following text.", f"Summarize this passage about {title}.", "TL;DR:"))
-    return f"{ask}\n\n{text}" if rng.random() < 0.6 else f"{text}\n\n{ask}"
+    return asked(rng, text, ("Summarize the following text.", f"Summarize this passage about {title}.", "TL;DR:"), 0.6)
 
 
 def wiki_rag(rng: random.Random, p: Prose) -> str:
