@@ -173,7 +173,7 @@ def pack(out_dir: Path, dest: Path) -> None:
             f"the instructions are built from the news stories and encyclopedia articles in `{wheel}` (its test "
             "data, no benchmark's: `pip download --no-deps gensim==4.4.0`) by `training/chat_data/kinds.py`"
         )
-        options = f" --prose_wheel {wheel}"
+        options = f" --prose_wheel runs/wheels/{wheel}"
     else:
         sources = (
             "the instructions come from material on a Debian machine with Python (manual pages, gettext catalogues, "
@@ -206,6 +206,7 @@ def pack(out_dir: Path, dest: Path) -> None:
         "## How it was made",
         "",
         "```bash",
+        *(["pip download --no-deps gensim==4.4.0 -d runs/wheels   # the material, read from the zip"] if wheel else []),
         "# the target as a model folder for vLLM, then answers with vLLM's offline engine in its own environment",
         f"selfspec export --format hf --model {settings['target']} --dtype bfloat16 --output runs/target-hf",
         "OMP_NUM_THREADS=1 .venv-vllm/bin/python training/make_chat_data.py --engine vllm --target runs/target-hf "
