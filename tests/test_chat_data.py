@@ -240,3 +240,18 @@ def test_chat_rows_teach_the_answers_only_and_plain_text_every_token(tmp_path, m
     tokenizer.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"  # not prefixes
     with pytest.raises(ValueError, match="data.loss_on: all"):
         load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=4), tokenizer, split=False)
+
+
+def test_a_prose_run_and_a_plain_run_do_not_resume_each_other(tmp_path):
+    """The run folder records whether it is a prose run (by the wheel's project and version, the same on every
+    platform); resuming it the other way is refused before any work."""
+    wheel = fake_prose_wheel(tmp_path)
+    (tmp_path / "run").mkdir()
+    settings = {"count": 10, "seed": 0, "max_new_tokens": 384, "max_prompt_tokens": 1664, "prose_wheel": "gensim-4.4.0"}
+    (tmp_path / "run" / "settings.json").write_text(json.dumps({"target": "t", **settings}))
+    args = ["--out_dir", str(tmp_path / "run"), "--count", "10", "--target", str(tmp_path / "no-model")]
+    with pytest.raises(SystemExit, match="holds a run with other settings"):
+        make_chat_data.main(args)
+    with pytest.raises(Exception) as error:  # the same settings pass (then no target loads from a missing folder)
+        make_chat_data.main([*args, "--prose_wheel", str(wheel)])
+    assert "other settings" not in str(error.value)

@@ -194,8 +194,9 @@ def generate(args) -> None:
     # what decides the instructions and their answers; the target's form (its name, or a folder for vLLM), the
     # engine and the dtype may change between sessions and machines (each row records its engine and dtype)
     settings = {k: getattr(args, k) for k in ("count", "seed", "max_new_tokens", "max_prompt_tokens")}
-    if args.prose_wheel:  # recorded by name: the same wheel elsewhere builds the same instructions
-        settings["prose_wheel"] = Path(args.prose_wheel).name
+    # the wheel by project and version (its test data is the same in every platform's wheel); None: not a prose
+    # run, so that a prose run resumed without --prose_wheel (or the reverse) is refused
+    settings["prose_wheel"] = "-".join(Path(args.prose_wheel).name.split("-")[:2]) if args.prose_wheel else None
     settings_path = out_dir / "settings.json"
     if settings_path.exists():
         before = json.loads(settings_path.read_text())

@@ -173,7 +173,7 @@ def pack(out_dir: Path, dest: Path) -> None:
             f"the instructions are built from the news stories and encyclopedia articles in `{wheel}` (its test "
             "data, no benchmark's: `pip download --no-deps gensim==4.4.0`) by `training/chat_data/kinds.py`"
         )
-        options = f" --prose_wheel runs/wheels/{wheel}"
+        options = f" --prose_wheel runs/wheels/{wheel}-*.whl"
     else:
         sources = (
             "the instructions come from material on a Debian machine with Python (manual pages, gettext catalogues, "

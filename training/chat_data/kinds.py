@@ -306,7 +306,8 @@ class Prose:
         self.news, self.articles = material.wheel_prose(self.wheel)
 
     def passage(self, rng: random.Random, min_words: int, max_words: int) -> tuple[str, str]:
-        """(title, text): whole paragraphs of one article, from a random one on, of about min..max words."""
+        """(title, text): whole paragraphs of one article, from a random one on (after its last paragraph, from its
+        first), of about min..max words; the last one cut to the budget."""
         title, text = rng.choice(self.articles)
         paragraphs = text.split("\n\n")
         start, kept, words = rng.randrange(len(paragraphs)), [], 0
