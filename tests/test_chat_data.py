@@ -99,8 +99,8 @@ def test_prose_instructions_come_from_the_wheels_news_and_articles(tmp_path):
     for leftover in ("{{", "[[", "<ref", "Smith", "==", "list item", "Category", "''", "REDIRECT"):
         assert leftover not in text
     prose = kinds.Prose(wheel)
-    many = make_chat_data.build_instructions(120, seed=1, prose=prose)
-    assert make_chat_data.build_instructions(30, seed=1, prose=prose) == many[:30]
+    many = make_chat_data.build_instructions(120, seed=1, material=prose)
+    assert make_chat_data.build_instructions(30, seed=1, material=prose) == many[:30]
     assert {s.kind for s in many} == set(kinds.PROSE_SHARES)
     assert all(any(w in s.text for w in ("Story", "word1", "Topic")) for s in many)  # each carries material
     summary = next(s.text for s in many if s.kind == "wiki summary")

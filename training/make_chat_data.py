@@ -71,14 +71,15 @@ class Instruction:
     follow_up: str | None  # the second user turn, for two-turn conversations
 
 
-def build_instructions(count: int, seed: int, material=None, prose: kinds.Prose | None = None) -> list[Instruction]:
-    """`count` instruction slots in a seeded order, kinds drawn by kinds.SHARES (with `prose`: by
-    kinds.PROSE_SHARES, from its articles), texts without repeats."""
+def build_instructions(
+    count: int, seed: int, material: kinds.Material | kinds.Prose | None = None
+) -> list[Instruction]:
+    """`count` instruction slots in a seeded order, kinds drawn by kinds.SHARES (from `kinds.Prose` material: by
+    kinds.PROSE_SHARES), texts without repeats."""
     rng = random.Random(seed)
-    if prose is not None:
-        material, makers, shares = prose, kinds.PROSE_MAKERS, kinds.PROSE_SHARES
-    else:
-        material, makers, shares = material or kinds.Material(), kinds.MAKERS, kinds.SHARES
+    material = material or kinds.Material()
+    prose = isinstance(material, kinds.Prose)
+    makers, shares = (kinds.PROSE_MAKERS, kinds.PROSE_SHARES) if prose else (kinds.MAKERS, kinds.SHARES)
     names, weights = zip(*shares.items(), strict=True)
     slots, seen = [], set()
     while len(slots) < count:  # every draw in order, so a smaller count gives a prefix of a larger one
@@ -207,7 +208,7 @@ def generate(args) -> None:
             )
     else:
         settings_path.write_text(json.dumps({"target": args.target, **settings}) + "\n")
-    slots = build_instructions(args.count, args.seed, prose=kinds.Prose(args.prose_wheel) if args.prose_wheel else None)
+    slots = build_instructions(args.count, args.seed, kinds.Prose(args.prose_wheel) if args.prose_wheel else None)
     magpie = {row["index"]: row["text"] for row in card.read_jsonl(out_dir / "magpie.jsonl", repair=True)}
     rows = card.read_jsonl(out_dir / "rows.jsonl", repair=True)
     first = {row["index"]: row for row in rows if row["turns"] in (0, 1)}
