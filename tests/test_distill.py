@@ -13,9 +13,10 @@ from tiny_models import ARCHITECTURES, tiny_model
 
 from selfspec.adapter import ModelAdapter
 from selfspec.engine.adaptive import best_gamma, expected_tokens, predicted_speedup
-from selfspec.heads import DraftHeads, ExitHeads, MedusaHeads
+from selfspec.heads import DraftHeads, EagleHeads, ExitHeads, MedusaHeads
 from selfspec.heads.base import Costs
 from selfspec.measure.costs import measure_costs
+from selfspec.training.config import HeadsConfig
 from selfspec.training.distill import (
     DistillationObjective,
     acceptance_rate,
@@ -282,3 +283,31 @@ def test_a_mask_and_a_draft_vocabulary_change_what_the_loss_averages():
     assert torch.isfinite(reduced_sums).all()
     torch.testing.assert_close(compact_logits, full_logits[..., ids], rtol=1e-4, atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(compact_states, full_states, strict=True))
+
+
+@pytest.mark.parametrize("recompute_logits", [False, True])
+def test_the_masked_loss_computes_only_the_marked_positions_with_the_same_value_and_gradient(recompute_logits):
+    """The objective runs the LM head and the loss on the marked positions only: its value and its gradient
+    equal those of the loss over every position weighted by the mask (an EAGLE head, unrolled; a row with
+    no marked position adds nothing)."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = EagleHeads.from_config(HeadsConfig(kind="eagle", feature_layers=[0, 1], unroll=3, layout="eagle3"), adapter)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (2, 12)))
+    mask = torch.rand(2, 12) < 0.4
+    mask[1] = False  # a row of prompt only
+    objective = DistillationObjective(heads, adapter, recompute_logits=recompute_logits)
+    masked = objective(hidden_states, logits, mask)
+    grads = torch.autograd.grad(masked.sum(), list(heads.parameters()))
+    reference = []
+    for draft in heads.distillation_drafts(adapter, hidden_states):
+        weight = draft.teacher(mask).float()
+        kl = kl_divergence(draft.teacher(logits), draft.head(draft.hidden))  # every position
+        reference.append(draft.weight * (kl * weight).sum() / weight.sum().clamp(min=1))
+    reference = torch.stack(reference)
+    expected = torch.autograd.grad(reference.sum(), list(heads.parameters()))
+    torch.testing.assert_close(masked, reference)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in grads)

@@ -18,7 +18,7 @@ from selfspec import SelfSpeculative
 from selfspec.adapter import ModelAdapter, UnsupportedModelError, unrolled
 from selfspec.drafters.eagle import append_right_aligned
 from selfspec.heads import EagleHeads, HeadsMismatchError, load_heads
-from selfspec.heads.eagle import unrolled_mask
+from selfspec.heads.eagle import needed_outputs, unrolled_mask
 from selfspec.training.config import HeadsConfig
 from selfspec.training.distill import DistillationObjective, target_pass
 
@@ -123,6 +123,65 @@ def test_block_sparse_unrolled_attention_equals_the_dense_mask(arch, monkeypatch
     assert dense_grads.keys() == sparse_grads.keys() and dense_grads
     for name, grad in dense_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + NEW_ARCHITECTURES)
+def test_queries_nothing_reads_are_not_scored_and_what_is_read_is_unchanged(arch, monkeypatch):
+    """With training's loss mask (`learn`), the block-sparse attention scores only the queries whose outputs a
+    loss reads, directly or through later steps; the drafts at the taught positions and the gradient of a loss
+    over them equal those of the full pass (chunks of 3), and every output stays finite."""
+    model = tiny_model(arch)
+    adapter = ModelAdapter(model)
+    heads = eagle_heads(model, unroll=4)
+    hidden_states, _ = target_pass(model, torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(3)))
+    learn = torch.zeros(2, 20, dtype=torch.bool)
+    learn[0, 13:16] = learn[1, 6:8] = True  # two short answers
+    monkeypatch.setattr(unrolled, "CHUNK", 3)
+    sdpa, scored = unrolled.sdpa_attention_forward, []
+
+    def counted(module, query, *args, **kwargs):
+        scored.append(query.shape[2])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(unrolled, "sdpa_attention_forward", counted)
+
+    def run(mask):
+        heads.zero_grad(set_to_none=True)
+        drafts = heads.distillation_drafts(adapter, hidden_states, learn=mask)
+        direction = torch.linspace(-1, 1, drafts[0].hidden.shape[-1])
+        sum((d.hidden * direction).sum(-1)[d.teacher(learn)].sum() for d in drafts).backward()
+        return drafts, {name: p.grad.clone() for name, p in heads.named_parameters() if p.grad is not None}
+
+    full, full_grads = run(None)
+    all_queries, scored[:] = sum(scored), []
+    skipping, skipping_grads = run(learn)
+    for a, b in zip(full, skipping, strict=True):
+        taught = a.teacher(learn)
+        assert taught.any() and torch.isfinite(b.hidden).all()
+        torch.testing.assert_close(b.hidden[taught], a.hidden[taught], rtol=1e-5, atol=1e-5)
+    assert full_grads.keys() == skipping_grads.keys() and full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(skipping_grads[name], grad, rtol=1e-4, atol=1e-5)
+    if heads.body.base.config._attn_implementation == "sdpa":
+        assert all_queries == 4 * 19 and sum(scored) < all_queries / 2
+    else:
+        assert all_queries == sum(scored) == 0
+
+
+def test_the_needed_outputs_are_what_the_losses_read_through_the_chains():
+    """`needed_outputs` equals the rule spelled out: step j's output at i is needed if its loss reads it, or
+    if some later step k's query on its chain (index i + k - j) is needed (it reads step j + 1's entry i + 1,
+    whose input is this output)."""
+    generator = torch.Generator().manual_seed(4)
+    for steps in (1, 2, 4):
+        taught = torch.rand(3, 15, generator=generator) < 0.2
+        needed = needed_outputs(taught, steps)
+        expected = [taught.clone() for _ in range(steps)]
+        for j in reversed(range(steps)):
+            for k in range(j + 1, steps):
+                for i in range(15 - (k - j)):
+                    expected[j][:, i] |= expected[k][:, i + k - j]
+        assert len(needed) == steps and all(torch.equal(a, b) for a, b in zip(needed, expected, strict=True))
 
 
 @pytest.mark.parametrize("length,step,chunk", [(13, 3, 3), (9, 1, 4), (6, 5, 2), (8, 2, 8)])

@@ -669,3 +669,36 @@ def test_training_can_start_from_trained_heads_and_refuses_ones_of_another_shape
     medusa = write_config(world, "kind", **{"heads.kind": "medusa", "heads.init_from": str(start)})
     with pytest.raises(ValueError, match="holds exit heads; the config trains medusa heads"):
         train_in_process(medusa)
+
+
+def test_a_feature_cache_forwards_each_row_once_and_trains_what_the_forward_trains(world, baseline, monkeypatch):
+    """train.feature_cache: over 1.5 epochs the target's forward runs once per training row, and (float32, so
+    the stored states are the forward's) the heads equal the uncached run's bit for bit; a second run on the
+    full cache forwards nothing; heads that read other entries are refused that cache."""
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    forwarded, forward = [], train_heads.target_states
+
+    def counted(model, ids):
+        forwarded.append(len(ids))
+        return forward(model, ids)
+
+    monkeypatch.setattr(train_heads, "target_states", counted)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    cache = world["root"] / "feature_cache"
+    train_in_process(write_config(world, "cached", **{"train.feature_cache": str(cache)}))
+    rows = summary(world, "cached")["data"]["train_rows"]
+    assert MAX_STEPS * 8 > rows and sum(forwarded) == rows  # every row once, though some were visited twice
+    cached, uncached = heads_state(world, "cached"), heads_state(world, baseline)
+    assert all(torch.equal(cached[name], uncached[name]) for name in uncached)
+
+    forwarded.clear()
+    train_in_process(write_config(world, "cached_again", **{"train.feature_cache": str(cache)}))
+    assert forwarded == []
+    again = heads_state(world, "cached_again")
+    assert all(torch.equal(again[name], uncached[name]) for name in uncached)
+    other = write_config(world, "cached_other", **{"train.feature_cache": str(cache), "heads.exit_layers": [1, 2]})
+    with pytest.raises(ValueError, match=r"made for another entries \(\[1, 2, 3, 4\] there, \[1, 2, 4\] here\)"):
+        train_in_process(other)

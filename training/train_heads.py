@@ -49,7 +49,8 @@ from selfspec.measure.profile import (
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
 from selfspec.training.data import load_rows, row_tensors
-from selfspec.training.distill import DistillationObjective, state_digest, target_pass
+from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
+from selfspec.training.feature_cache import FeatureCache, rows_digest
 
 from common import (
     Progress,
@@ -192,6 +193,7 @@ class Run:
         self.vocab = self.adapter.draft_vocabulary(tc.draft_vocab) if tc.draft_vocab else None
         objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits, self.vocab)
         self.train_vocab = objective.vocab  # the target's logits over it only (None: the whole vocabulary)
+        self.cache = self.feature_cache() if tc.feature_cache else None
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(objective, optimizer, scheduler)
@@ -206,6 +208,31 @@ class Run:
         self.eval_rows, self.eval_masks = row_tensors(self.rows.heldout, range(min(held, len(self.rows.heldout))))
         if accelerator.is_main_process:
             save_config(config, self.out / "config.yaml")
+
+    def feature_cache(self) -> FeatureCache:
+        """train.feature_cache for these heads, target and training rows (made by the main process first)."""
+        acc, fingerprint = self.accelerator, self.adapter.fingerprint()
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(acc.mixed_precision, str(self.model.dtype)[6:])
+        digests = {"target": self.target_digest, "rows": rows_digest(self.rows.train.with_format("numpy")["input_ids"])}
+        with acc.main_process_first():
+            cache = FeatureCache(
+                self.config.train.feature_cache, num_rows=len(self.rows.train), seq_len=self.config.data.seq_len,
+                hidden_size=fingerprint.hidden_size, num_layers=fingerprint.num_hidden_layers,
+                entries=self.heads.hidden_entries(), dtype=dtype, out_dtype=self.model.dtype, digests=digests,
+            )  # fmt: skip
+        acc.print(
+            f"feature cache: {cache.filled_rows()} of {len(self.rows.train)} rows stored, entries {cache.entries}, "
+            f"{cache.size_bytes / 2**30:.1f} GiB in {dtype} at {cache.directory}"
+        )
+        return cache
+
+    def target_outputs(self, index: list[int], batch: torch.Tensor):
+        """The target's hidden states and teacher logits for training rows `index` (ids `batch`): a forward, or
+        the feature cache's stored states and the LM head over their last entry."""
+        if self.cache is None:
+            return target_pass(self.model, batch, self.adapter, self.train_vocab)
+        hidden_states = self.cache.hidden_states(index, batch, lambda ids: target_states(self.model, ids))
+        return hidden_states, self.adapter.lm_logits(hidden_states[-1], vocab=self.train_vocab)
 
     def evaluate(self, heads: DraftHeads) -> dict:
         acc = self.accelerator
@@ -286,7 +313,7 @@ class Run:
                 batch, mask = row_tensors(self.rows.train, index)  # [batch_size / processes, seq_len] each
                 batch, mask = batch.to(acc.device), mask.to(acc.device)  # mask: the positions to learn
                 with acc.autocast():
-                    hidden_states, logits = target_pass(self.model, batch, self.adapter, self.train_vocab)
+                    hidden_states, logits = self.target_outputs(index, batch)
                 with acc.no_sync(self.objective) if micro < tc.gradient_accumulation_steps - 1 else nullcontext():
                     loss = self.objective(hidden_states, logits, mask).sum() / tc.gradient_accumulation_steps
                     acc.backward(loss)

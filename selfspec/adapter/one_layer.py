@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 from ..families import SUPPORTED_ARCHITECTURES, unsupported_message
 from .core import UnsupportedModelError, cache_keyword
-from .unrolled import unrolled_attention
+from .unrolled import only_queries, unrolled_attention
 
 LAYOUTS = ("eagle", "eagle3")
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")  # what reads the attention's input
@@ -114,6 +114,13 @@ class OneLayerModel(nn.Module):
         """A context in which the layer attends with the unrolled training steps' block-sparse attention
         (`selfspec.adapter.unrolled`): every call inside must pass `selfspec.heads.eagle.unrolled_mask`'s pattern."""
         return unrolled_attention(self.base.config)
+
+    @staticmethod
+    def only_queries(needed):
+        """Inside `unrolled()`: a context in which the block-sparse attention scores only the queries `needed`
+        ([batch, n] bool; None: all) marks; the others' outputs are finite and wrong (nothing may read them).
+        Attention other than SDPA keeps the dense mask and scores every query."""
+        return only_queries(needed)
 
     def forward(self, hidden, position_ids, attention_mask, cache: DynamicCache, token_states=None) -> torch.Tensor:
         """`hidden` [batch, n, H] at `position_ids` [batch, n] (with layout eagle3, the next tokens' `token_states`

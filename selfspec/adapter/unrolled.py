@@ -8,6 +8,10 @@ needs and to the chunk-wide window of each later step that holds its chain entri
 sliced to those keys. Every key the mask allows is in the slice, so the result is the dense one; the work falls
 to about a quarter at L = 2048 (step 0 needs the causal half, each later window is CHUNK wide).
 
+Within `only_queries(needed)` the queries left out (those whose outputs nothing reads: training marks the
+positions its loss uses, `EagleHeads.distillation_drafts`) are not scored at all; their rows of the output are
+zeros, so the layer's outputs there are finite and wrong, and every output that is read is unchanged.
+
 The function wraps transformers' own SDPA attention (grouped keys, scaling and refusals as there), and is used
 only inside `unrolled_attention`, where the mask has that pattern.
 """
@@ -15,6 +19,7 @@ only inside `unrolled_attention`, where the mask has that pattern.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
@@ -22,6 +27,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "selfspec_unrolled_sdpa"
 CHUNK = 256  # queries per chunk: 128-512 time within 20% of each other at L = 2048 (bf16, one thread)
+_NEEDED: ContextVar[torch.Tensor | None] = ContextVar("selfspec_unrolled_queries", default=None)
+
+
+@contextmanager
+def only_queries(needed: torch.Tensor | None):
+    """Within the block, unrolled attention scores only the queries that `needed` ([batch, L] bool; None: all)
+    marks in some row of the batch; the others' outputs are zeros."""
+    token = _NEEDED.set(needed)
+    try:
+        yield
+    finally:
+        _NEEDED.reset(token)
 
 
 def _key_ranges(start: int, end: int, step: int, length: int) -> list[tuple[int, int]]:
@@ -42,22 +59,36 @@ def unrolled_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
             f"unrolled attention needs the unrolled steps' mask and (step + 1) x {length} keys, got {keys} keys and "
             f"mask {None if attention_mask is None else tuple(attention_mask.shape)}"
         )
+    needed = _NEEDED.get()
+    if needed is not None and needed.shape[-1] != length:
+        raise ValueError(f"only_queries marks {needed.shape[-1]} queries, the unrolled step has {length}")
+    needed = needed.any(0) if needed is not None else None  # a query row is scored for the whole batch
     step, outputs = keys // length - 1, []
     for start in range(0, length, CHUNK):
         end = min(start + CHUNK, length)
+        rows = None if needed is None else needed[start:end].nonzero().flatten() + start
+        if rows is not None and len(rows) == end - start:
+            rows = None  # every query of the chunk
+        shape = (query.shape[0], end - start, query.shape[1], value.shape[-1])
+        if rows is not None and len(rows) == 0:
+            outputs.append(query.new_zeros(shape))
+            continue
         ranges = _key_ranges(start, end, step, length)
         columns = torch.cat([torch.arange(lo, hi, device=key.device) for lo, hi in ranges])
+        chunk_mask = attention_mask[:, :, start:end] if rows is None else attention_mask.index_select(2, rows)
         out, _ = sdpa_attention_forward(
             module,
-            query[:, :, start:end],
+            query[:, :, start:end] if rows is None else query.index_select(2, rows),
             key.index_select(2, columns),
             value.index_select(2, columns),
-            attention_mask[:, :, start:end].index_select(-1, columns),
+            chunk_mask.index_select(-1, columns),
             dropout=dropout,
             scaling=scaling,
             **kwargs,
-        )
-        outputs.append(out)  # [batch, chunk, heads, d]
+        )  # [batch, queries, heads, d]
+        if rows is not None:
+            out = query.new_zeros(shape).index_copy(1, rows - start, out)
+        outputs.append(out)
     return torch.cat(outputs, dim=1), None
 
 

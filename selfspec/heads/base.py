@@ -120,12 +120,19 @@ class DraftHeads(nn.Module):
         raise self._missing("draft_names")
 
     def distillation_drafts(
-        self, adapter: ModelAdapter, hidden_states, vocab: DraftVocabulary | None = None
+        self, adapter: ModelAdapter, hidden_states, vocab: DraftVocabulary | None = None, learn=None
     ) -> list[Draft]:
         """The drafts and their teachers given one target forward's `hidden_states` (as `output_hidden_states=True`
         returns them: L+1 entries `[batch, T, H]`, the last one normed), through the LM head as `vocab` gives it
-        (a reduced or int8 draft head; None: the model's own)."""
+        (a reduced or int8 draft head; None: the model's own). With `learn` ([batch, T] bool: the target
+        positions whose distributions are read, training's loss mask), a draft's input is exact where its teacher
+        is marked and may be any finite value elsewhere (heads may skip that work)."""
         raise self._missing("distillation_drafts")
+
+    def hidden_entries(self) -> tuple[int, ...]:
+        """The entries of `hidden_states` (0..L, L the last, normed) that `distillation_drafts` reads: what a
+        feature cache (`selfspec.training.feature_cache`) must keep for these heads."""
+        raise self._missing("hidden_entries")
 
     def untrained_copy(self) -> DraftHeads:
         """Fresh heads with the same drafts, on the same device and dtype: what the target drafts untrained."""

@@ -41,6 +41,19 @@ def unrolled_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.T
     return additive_mask(torch.cat(blocks, dim=1), dtype)[None, None]
 
 
+def needed_outputs(taught: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per unrolled step j, the entries [batch, L] whose outputs something reads, given `taught` [batch, L]: the
+    entries whose teacher a loss reads (entry i's is at i + 1, at every step). Step j's output at i is read by its
+    own loss, or as the input of step j + 1's entry i + 1, which must then be right: for its own output, or as
+    the key of a later step's query on its chain (query i + 1 + m of step j + 1 + m, needed by the same rule).
+    So step j needs what it teaches and, shifted one back, all that step j + 1 needs."""
+    needed = [taught]
+    for _ in range(steps - 1):
+        later = needed[0]
+        needed.insert(0, taught | torch.cat([later[:, 1:], torch.zeros_like(later[:, :1])], dim=1))
+    return needed
+
+
 class EagleHeads(DraftHeads):
     """An EAGLE head for one target: `fuse` (several feature layers -> hidden size, only with
     `feature_layers`), `fc` (token state and feature -> hidden size), one decoder layer and its norm (`body`),
@@ -127,11 +140,16 @@ class EagleHeads(DraftHeads):
     def draft_names(self) -> list[str]:
         return [f"eagle_{j}" for j in range(self.unroll)]
 
+    def hidden_entries(self) -> tuple[int, ...]:
+        # the token states (entry 0) and the features: decoder layer k's output is entry k + 1
+        last = self.fingerprint.num_hidden_layers
+        return (0, *sorted({last if k == FINAL else k + 1 for k in self.features}))
+
     def _target_features(self, hidden_states) -> torch.Tensor:
         """[batch, T, width * H] from a forward's `hidden_states` (decoder layer k's output is entry k + 1)."""
         return torch.cat([hidden_states[-1] if k == FINAL else hidden_states[k + 1] for k in self.features], dim=-1)
 
-    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None) -> list[Draft]:
+    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None, learn=None) -> list[Draft]:
         # entry i joins f_i with the state of token i+1 (`hidden_states[0]`, what layer 0 got for it) and predicts
         # token i+2: its teacher is the target's distribution at i+1. Step j's entry i is anchored at i - j.
         features = self._target_features(hidden_states)[:, :-1]
@@ -140,10 +158,13 @@ class EagleHeads(DraftHeads):
         positions = torch.arange(length, device=features.device)[None].expand(batch, -1)
         cache, hidden, drafts = DynamicCache(), self.fused(features), []
         weight = next(self.parameters())
+        steps = min(self.unroll, length)
+        needed = needed_outputs(learn[:, 1:].bool(), steps) if learn is not None else [None] * steps
         with self.body.unrolled():  # each step's keys: a causal prefix and one entry per earlier step
-            for j in range(min(self.unroll, length)):
+            for j in range(steps):
                 mask = unrolled_mask(length, j, weight.dtype, weight.device).expand(batch, -1, -1, -1)
-                outputs = self.step(hidden, states, positions, mask, cache)
+                with self.body.only_queries(needed[j]):
+                    outputs = self.step(hidden, states, positions, mask, cache)
                 drafts.append(Draft(f"eagle_{j}", outputs[:, j:], j + 1, self._head(adapter, vocab), STEP_WEIGHT**j))
                 hidden = torch.cat([torch.zeros_like(outputs[:, :1]), outputs[:, :-1]], dim=1)  # fed back, one on
         return drafts

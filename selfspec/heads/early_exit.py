@@ -81,7 +81,10 @@ class ExitHeads(DraftHeads):
     def draft_names(self) -> list[str]:
         return [f"exit_{k}" for k in self.exit_layers]
 
-    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None) -> list[Draft]:
+    def hidden_entries(self) -> tuple[int, ...]:
+        return tuple(self.exit_layers)
+
+    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None, learn=None) -> list[Draft]:
         # exit head k reads the pre-norm hidden state after layer k and predicts the next token: its teacher is
         # the target's distribution at the same position
         def logits(block: ExitHead) -> Callable[[torch.Tensor], torch.Tensor]:

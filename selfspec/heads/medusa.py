@@ -97,7 +97,10 @@ class MedusaHeads(DraftHeads):
     def draft_names(self) -> list[str]:
         return [f"medusa_{i}" for i in range(self.num_heads)]
 
-    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None) -> list[Draft]:
+    def hidden_entries(self) -> tuple[int, ...]:
+        return (self.fingerprint.num_hidden_layers,)  # the normed last one
+
+    def distillation_drafts(self, adapter: ModelAdapter, hidden_states, vocab=None, learn=None) -> list[Draft]:
         # head i reads the normed last hidden state at position t and predicts the token at t+2+i: its teacher is
         # the target's distribution at t+1+i
         normed = self._as_input(hidden_states[-1])

@@ -262,6 +262,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     save_dtype: str = "float32"  # the weights written to heads_dir: float32 | bfloat16 | float16 (half the folder);
     # training and its checkpoints stay in float32
+    feature_cache: str | None = None  # a folder: the target's hidden states per training row, stored at a row's
+    # first visit and read back at later ones (epochs after the first skip the target's forward); None: no cache
 
     def __post_init__(self):
         _one_of("train.loss", self.loss, ("kl", "soft_ce"))

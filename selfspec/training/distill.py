@@ -72,8 +72,15 @@ def target_pass(model: nn.Module, input_ids: torch.Tensor, adapter: ModelAdapter
         return out.hidden_states, out.logits
     if not vocab.compact or adapter is None:
         raise ValueError("target_pass over a draft vocabulary needs the model's adapter and a compacted vocabulary")
-    out = model(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states, adapter.lm_logits(out.hidden_states[-1], vocab=vocab)
+    hidden_states = target_states(model, input_ids)
+    return hidden_states, adapter.lm_logits(hidden_states[-1], vocab=vocab)
+
+
+@torch.no_grad()
+def target_states(model: nn.Module, input_ids: torch.Tensor):
+    """One forward of the frozen target, its hidden states only (one per layer boundary, the last normed): the
+    LM head runs on the last position alone."""
+    return model(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1).hidden_states
 
 
 class DistillationObjective(nn.Module):
@@ -114,15 +121,22 @@ class DistillationObjective(nn.Module):
             negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
             weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.float()
         losses = []
-        for draft in self.heads.distillation_drafts(self._adapter, hidden_states, self.vocab):
-            if self.recompute_logits:  # keep one draft's [batch, T, V] activations at a time, not all of them
-                loss = checkpoint(self._cross_entropy, draft, draft.hidden, draft.teacher(p), use_reentrant=False)
-            else:
-                loss = self._cross_entropy(draft, draft.hidden, draft.teacher(p))
-            if negative_entropy is not None:
-                loss = loss + draft.teacher(negative_entropy)
+        for draft in self.heads.distillation_drafts(self._adapter, hidden_states, self.vocab, mask):
             weight = draft.teacher(weights)
-            losses.append(draft.weight * (loss * weight).sum() / weight.sum().clamp(min=1))
+            # the LM head and the loss only where the mask asks (answers: 30-45% of a chat row): a left-out
+            # position adds 0 to the loss and nothing to the gradient either way
+            hidden, teacher, weight_kept = draft.hidden, draft.teacher(p), weight
+            if mask is not None:
+                kept = weight > 0
+                hidden, teacher, weight_kept = hidden[kept], teacher[kept], weight[kept]
+            if self.recompute_logits:  # keep one draft's [positions, V] activations at a time, not all of them
+                loss = checkpoint(self._cross_entropy, draft, hidden, teacher, use_reentrant=False)
+            else:
+                loss = self._cross_entropy(draft, hidden, teacher)
+            if negative_entropy is not None:
+                entropy_term = draft.teacher(negative_entropy)
+                loss = loss + (entropy_term[kept] if mask is not None else entropy_term)
+            losses.append(draft.weight * (loss * weight_kept).sum() / weight.sum().clamp(min=1))
         return torch.stack(losses)
 
 
@@ -148,7 +162,7 @@ def score_sums(
     log_p_kl = torch.log_softmax(logits.index_select(-1, ids).float(), dim=-1) if ids is not None else log_p
     weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.double()
     rows, chain = [], None
-    for draft in heads.distillation_drafts(adapter, hidden_states, vocab):
+    for draft in heads.distillation_drafts(adapter, hidden_states, vocab, mask):
         q_logits = draft.head(draft.hidden)
         log_q = torch.log_softmax(q_logits.float(), dim=-1)
         p_draft = draft.teacher(p)
