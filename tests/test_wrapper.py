@@ -84,6 +84,8 @@ def test_exit_heads_round_trip_and_stay_exact(model, tmp_path):
     umask = os.umask(0o022)
     os.umask(umask)
     assert (tmp_path / "heads").stat().st_mode & 0o777 == 0o777 & ~umask  # like any folder (0755), not private
+    for written in (tmp_path / "heads").iterdir():  # and its files like any file (0644)
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, written.name
     loaded = SelfSpeculative(model, heads=tmp_path / "heads")
     assert loaded.exit_layer == 2 and loaded.num_draft_tokens == 3
     for name, tensor in heads.state_dict().items():

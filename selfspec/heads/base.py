@@ -197,6 +197,7 @@ def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], car
     with staged_folder(path) as staging:
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
+        (staging / WEIGHTS_NAME).chmod(0o666 & ~_umask())  # safetensors writes it private (0600)
         (staging / CARD_NAME).write_text(card)
 
 
