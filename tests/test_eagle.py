@@ -168,6 +168,27 @@ def test_queries_nothing_reads_are_not_scored_and_what_is_read_is_unchanged(arch
         assert all_queries == sum(scored) == 0
 
 
+def test_a_row_with_nothing_to_learn_keeps_every_weight_in_the_graph_and_autocast_dtypes_mix(monkeypatch):
+    """A batch whose loss reads nothing still scores one query, so every weight gets a gradient (DDP expects
+    them all); under bfloat16 autocast, with whole chunks skipped, the drafts come out finite (a skipped chunk's
+    zeros take the scored chunks' dtype, whatever autocast made it)."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    heads = eagle_heads(model, feature_layers=[1], unroll=3, layout="eagle3")
+    assert heads.fuse is None and heads.body.base.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(unrolled, "CHUNK", 3)
+    ids = torch.randint(3, 90, (1, 16), generator=torch.Generator().manual_seed(5))
+    hidden_states, logits = target_pass(model, ids)
+    nothing = torch.zeros(1, 16, dtype=torch.bool)
+    DistillationObjective(heads, adapter)(hidden_states, logits, nothing).sum().backward()
+    assert all(p.grad is not None for p in heads.parameters())
+    learn = nothing.clone()
+    learn[0, 12:14] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        drafts = heads.distillation_drafts(adapter, hidden_states, learn=learn)
+    assert all(torch.isfinite(d.hidden).all() for d in drafts)
+
+
 def test_the_needed_outputs_are_what_the_losses_read_through_the_chains():
     """`needed_outputs` equals the rule spelled out: step j's output at i is needed if its loss reads it, or
     if some later step k's query on its chain (index i + k - j) is needed (it reads step j + 1's entry i + 1,

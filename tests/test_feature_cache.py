@@ -3,7 +3,6 @@ heads declares: stored once, read back the same, refused where it was made for s
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import namedtuple
 
@@ -54,6 +53,8 @@ def test_an_entry_left_out_is_named():
         states[2]
     with pytest.raises(TypeError, match="one entry at a time"):
         states[0:2]
+    with pytest.raises(IndexError, match="out of range: a forward has 5 entries"):
+        states[5]
 
 
 def make_cache(directory, model, rows=4, seq_len=6, entries=(0, 1), dtype="float32", **digests):
@@ -104,11 +105,11 @@ def test_a_cache_made_for_something_else_is_refused_and_kept(tmp_path):
     model = tiny_model("llama")
     make_cache(tmp_path / "cache", model)
     meta = (tmp_path / "cache" / "meta.json").read_text()
-    with pytest.raises(ValueError, match=r"made for another target \('t' there, 'u' here\)"):
+    with pytest.raises(ValueError, match=r"made with other settings: target 't' there, 'u' here"):
         make_cache(tmp_path / "cache", model, target="u")
-    with pytest.raises(ValueError, match=r"another entries \(\[0, 1, 4\] there, \[0, 4\] here\)"):
+    with pytest.raises(ValueError, match=r"other settings: entries \[0, 1, 4\] there, \[0, 4\] here"):
         make_cache(tmp_path / "cache", model, entries=(0,))
-    with pytest.raises(ValueError, match="another .*dtype"):
+    with pytest.raises(ValueError, match="other settings: dtype 'float32' there, 'bfloat16' here"):
         make_cache(tmp_path / "cache", model, dtype="bfloat16")
     assert (tmp_path / "cache" / "meta.json").read_text() == meta  # never rewritten
     (tmp_path / "other").mkdir()
@@ -136,4 +137,4 @@ def test_the_rows_digest_sees_order_and_values():
     changed = rows.copy()
     changed[2, 3] = 0
     assert rows_digest(changed) != rows_digest(rows)
-    assert json.dumps(rows_digest(rows))  # a plain string for meta.json
+    assert isinstance(rows_digest(rows), str) and len(rows_digest(rows)) == 64  # hex SHA-256, for meta.json

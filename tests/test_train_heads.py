@@ -700,5 +700,5 @@ def test_a_feature_cache_forwards_each_row_once_and_trains_what_the_forward_trai
     again = heads_state(world, "cached_again")
     assert all(torch.equal(again[name], uncached[name]) for name in uncached)
     other = write_config(world, "cached_other", **{"train.feature_cache": str(cache), "heads.exit_layers": [1, 2]})
-    with pytest.raises(ValueError, match=r"made for another entries \(\[1, 2, 3, 4\] there, \[1, 2, 4\] here\)"):
+    with pytest.raises(ValueError, match=r"other settings: entries \[1, 2, 3, 4\] there, \[1, 2, 4\] here"):
         train_in_process(other)

@@ -212,9 +212,11 @@ class Run:
     def feature_cache(self) -> FeatureCache:
         """train.feature_cache for these heads, target and training rows (made by the main process first)."""
         acc, fingerprint = self.accelerator, self.adapter.fingerprint()
-        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(acc.mixed_precision, str(self.model.dtype)[6:])
+        # bfloat16 under bf16 autocast; else the model's own dtype (fp16 autocast keeps float32 sums that fp16 could
+        # not hold)
+        dtype = "bfloat16" if acc.mixed_precision == "bf16" else str(self.model.dtype).removeprefix("torch.")
         digests = {"target": self.target_digest, "rows": rows_digest(self.rows.train.with_format("numpy")["input_ids"])}
-        with acc.main_process_first():
+        with acc.local_main_process_first():  # the folder is per machine (node-local disk)
             cache = FeatureCache(
                 self.config.train.feature_cache, num_rows=len(self.rows.train), seq_len=self.config.data.seq_len,
                 hidden_size=fingerprint.hidden_size, num_layers=fingerprint.num_hidden_layers,

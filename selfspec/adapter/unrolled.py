@@ -33,7 +33,7 @@ _NEEDED: ContextVar[torch.Tensor | None] = ContextVar("selfspec_unrolled_queries
 @contextmanager
 def only_queries(needed: torch.Tensor | None):
     """Within the block, unrolled attention scores only the queries that `needed` ([batch, L] bool; None: all)
-    marks in some row of the batch; the others' outputs are zeros."""
+    marks in some row of the batch (at least one: the last, where none is marked); the others' outputs are zeros."""
     token = _NEEDED.set(needed)
     try:
         yield
@@ -62,7 +62,11 @@ def unrolled_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     needed = _NEEDED.get()
     if needed is not None and needed.shape[-1] != length:
         raise ValueError(f"only_queries marks {needed.shape[-1]} queries, the unrolled step has {length}")
-    needed = needed.any(0) if needed is not None else None  # a query row is scored for the whole batch
+    if needed is not None:
+        needed = needed.any(0)  # a query row is scored for the whole batch
+        if not needed.any():  # score one, so that every weight stays in the graph (DDP expects them all)
+            needed = needed.clone()
+            needed[-1] = True
     step, outputs = keys // length - 1, []
     for start in range(0, length, CHUNK):
         end = min(start + CHUNK, length)
@@ -71,7 +75,7 @@ def unrolled_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
             rows = None  # every query of the chunk
         shape = (query.shape[0], end - start, query.shape[1], value.shape[-1])
         if rows is not None and len(rows) == 0:
-            outputs.append(query.new_zeros(shape))
+            outputs.append(shape)  # zeros, once a scored chunk gives the dtype (autocast may change it)
             continue
         ranges = _key_ranges(start, end, step, length)
         columns = torch.cat([torch.arange(lo, hi, device=key.device) for lo, hi in ranges])
@@ -87,9 +91,10 @@ def unrolled_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
             **kwargs,
         )  # [batch, queries, heads, d]
         if rows is not None:
-            out = query.new_zeros(shape).index_copy(1, rows - start, out)
+            out = out.new_zeros(shape).index_copy(1, rows - start, out)
         outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+    scored = next(out for out in outputs if isinstance(out, torch.Tensor))
+    return torch.cat([out if isinstance(out, torch.Tensor) else scored.new_zeros(out) for out in outputs], dim=1), None
 
 
 AttentionInterface.register(NAME, unrolled_sdpa)

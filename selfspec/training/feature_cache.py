@@ -6,8 +6,10 @@ gives the same result at every epoch. The heads read a few entries of its `hidde
 (`DraftHeads.hidden_entries`) and the teacher's logits come from the last, normed entry through the LM head,
 so those entries, stored once per row, stand in for the forward on every later visit. The first visit stores
 them and reads them back like any later one: every visit trains on the same stored values. They are stored in
-the dtype the target's matmuls run in (bfloat16 under bf16 autocast, whose linear layers round their inputs to
-it anyway) and handed back in the target's own dtype.
+bfloat16 under bf16 autocast (its linear layers round their inputs to it anyway; norms and residual sums see the
+rounded values, so such a run differs slightly from an uncached one), else in the target's own dtype (exactly the
+forward's values), and handed back in the target's dtype on the ids' device. A row counts as stored once its
+flag is set after its states: a killed run leaves it unstored (a power loss could reach the disk out of order).
 
 On disk: `states.bin` (rows x entries x seq_len x hidden, memory-mapped), `filled.bin` (one byte per row, set
 once its states are written) and `meta.json` (what the cache holds: the target's and the rows' digests, the
@@ -50,6 +52,8 @@ class CachedStates(Sequence):
         if not isinstance(index, int):
             raise TypeError(f"cached hidden states are read one entry at a time, not by {type(index).__name__}")
         entry = index + self._length if index < 0 else index
+        if not 0 <= entry < self._length:
+            raise IndexError(f"hidden_states[{index}] is out of range: a forward has {self._length} entries")
         if entry not in self._entries:
             raise KeyError(
                 f"hidden_states[{index}] is not in the feature cache (it keeps entries {sorted(self._entries)}): "
@@ -113,8 +117,8 @@ class FeatureCache:
         different = [key for key in self.meta if stored.get(key) != self.meta[key]]
         if different:
             raise ValueError(
-                f"train.feature_cache {self.directory} was made for another "
-                + ", ".join(f"{key} ({stored.get(key)!r} there, {self.meta[key]!r} here)" for key in different)
+                f"train.feature_cache {self.directory} was made with other settings: "
+                + ", ".join(f"{key} {stored.get(key)!r} there, {self.meta[key]!r} here" for key in different)
                 + ": give another folder, or delete this one to rebuild it"
             )
 
@@ -154,5 +158,5 @@ class FeatureCache:
             self.filled[[rows[i] for i in missing]] = 1  # after the states: a killed run leaves a row unfilled
         self.misses += len(missing)
         self.hits += len(rows) - len(missing)
-        picked = self.states[list(rows)].to(self.out_dtype)  # [rows, entries, seq_len, hidden]
+        picked = self.states[list(rows)].to(device=input_ids.device, dtype=self.out_dtype)  # [rows, entries, T, H]
         return CachedStates({e: picked[:, k] for k, e in enumerate(self.entries)}, self.num_layers + 1)
