@@ -210,7 +210,7 @@ class Run:
             save_config(config, self.out / "config.yaml")
 
     def feature_cache(self) -> FeatureCache:
-        """train.feature_cache for these heads, target and training rows (made by the main process first)."""
+        """train.feature_cache for these heads, target and training rows (made by each machine's main process first)."""
         acc, fingerprint = self.accelerator, self.adapter.fingerprint()
         # bfloat16 under bf16 autocast; else the model's own dtype (fp16 autocast keeps float32 sums that fp16 could
         # not hold)
