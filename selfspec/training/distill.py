@@ -122,21 +122,21 @@ class DistillationObjective(nn.Module):
             weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.float()
         losses = []
         for draft in self.heads.distillation_drafts(self._adapter, hidden_states, self.vocab, mask):
-            weight = draft.teacher(weights)
-            # the LM head and the loss only where the mask asks (answers: 30-45% of a chat row): a left-out
-            # position adds 0 to the loss and nothing to the gradient either way
-            hidden, teacher, weight_kept = draft.hidden, draft.teacher(p), weight
+            weight, hidden, teacher = draft.teacher(weights), draft.hidden, draft.teacher(p)
+            entropy = draft.teacher(negative_entropy) if negative_entropy is not None else None
             if mask is not None:
+                # the LM head and the loss only where the mask asks (answers: 30-45% of a chat row): a left-out
+                # position adds 0 to the loss and nothing to the gradient either way, nor to the weights' sum
                 kept = weight > 0
-                hidden, teacher, weight_kept = hidden[kept], teacher[kept], weight[kept]
+                hidden, teacher, weight = hidden[kept], teacher[kept], weight[kept]
+                entropy = entropy[kept] if entropy is not None else None
             if self.recompute_logits:  # keep one draft's [positions, V] activations at a time, not all of them
                 loss = checkpoint(self._cross_entropy, draft, hidden, teacher, use_reentrant=False)
             else:
                 loss = self._cross_entropy(draft, hidden, teacher)
-            if negative_entropy is not None:
-                entropy_term = draft.teacher(negative_entropy)
-                loss = loss + (entropy_term[kept] if mask is not None else entropy_term)
-            losses.append(draft.weight * (loss * weight_kept).sum() / weight.sum().clamp(min=1))
+            if entropy is not None:
+                loss = loss + entropy
+            losses.append(draft.weight * (loss * weight).sum() / weight.sum().clamp(min=1))
         return torch.stack(losses)
 
 
