@@ -255,3 +255,33 @@ def test_a_prose_run_and_a_plain_run_do_not_resume_each_other(tmp_path):
     with pytest.raises(Exception) as error:  # the same settings pass (then no target loads from a missing folder)
         make_chat_data.main([*args, "--prose_wheel", str(wheel)])
     assert "other settings" not in str(error.value)
+
+
+def test_copy_tasks_repeat_their_prompts_text_seeded_with_a_held_out_split(tmp_path):
+    import make_copy_data
+
+    source = tmp_path / "source.jsonl.gz"
+    passage = " ".join(f"p{i}" for i in range(60))
+    rows = [{"messages": [{"role": "user", "content": passage}, {"role": "assistant", "content": "a b"}]},
+            {"messages": [{"role": "user", "content": "short words only here"}]}]  # fmt: skip
+    with gzip.open(source, "wt") as file:
+        file.write("".join(json.dumps(row) + "\n" for row in rows))
+
+    def make(out):
+        make_copy_data.main(["--out", str(out), "--count", "40", "--seed", "3", "--sources", str(source)])
+        return [gzip.decompress((out / name).read_bytes()) for name in ("train.jsonl.gz", "heldout.jsonl.gz")]
+
+    first = make(tmp_path / "a")
+    assert first == make(tmp_path / "b")  # seeded: the same bytes
+    train, held = ([json.loads(line) for line in data.decode().splitlines()] for data in first)
+    assert (len(train), len(held)) == (36, 4) and [row["index"] for row in held] == [9, 19, 29, 39]
+    words = set(passage.split()) | set("short words only here".split())
+    for row in train + held:
+        user, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        assert answer in user and set(answer.split()) <= words  # the answer repeats the prompt's text
+        if row["kind"] == "copy passage":
+            assert answer in passage and len(answer.split()) >= 30
+        assert all(m["content"] == answer for m in row["messages"][3::2])  # a second turn repeats it again
+    assert {row["kind"] for row in train} == {"copy passage", "copy shuffled"}
+    assert any(row["turns"] == 2 for row in train)
+    assert "copy shuffled" in (tmp_path / "a" / "README.md").read_text()

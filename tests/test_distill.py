@@ -311,3 +311,35 @@ def test_the_masked_loss_computes_only_the_marked_positions_with_the_same_value_
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_scores_over_a_draft_vocabulary_are_those_of_its_drafts_spread_over_the_whole_vocabulary(kind):
+    """With a draft vocabulary, `score_sums` works on its tokens alone; alpha, top-1 and the chain equal those of
+    q spread over the whole vocabulary (-inf off it) against the whole p, and KL that of both renormalised on it."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    if kind == "medusa":
+        heads = MedusaHeads(adapter.fingerprint(), 3)
+    else:
+        heads = EagleHeads.from_config(HeadsConfig(kind="eagle", feature_layers=[0, 1], unroll=3), adapter)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    hidden_states, logits = target_pass(model, torch.randint(3, 96, (4, 11)))
+    # the target's two best tokens at each position: some drafts agree with it, some do not
+    ids = logits.topk(2, dim=-1).indices.flatten().unique()
+    vocab = adapter.draft_vocabulary(ids)
+    mask = torch.rand(4, 11) < 0.6
+    with torch.no_grad():
+        sums = score_sums(heads, adapter, hidden_states, logits, vocab, mask)
+        expected, chain = [], None
+        for draft in heads.distillation_drafts(adapter, hidden_states, vocab):  # q spread over [..., V]
+            p, q, keep = draft.teacher(logits), draft.head(draft.hidden), draft.teacher(mask)
+            agree = (q.argmax(-1) == p.argmax(-1)).double()
+            chain = agree if chain is None else chain[:, : agree.shape[1]] * agree
+            alpha = torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1)
+            kl = kl_divergence(p[..., ids], q[..., ids])
+            expected.append([kl[keep].sum(), alpha[keep].sum(), agree[keep].sum(), keep.sum(), chain[keep].sum()])
+    torch.testing.assert_close(sums, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert 0 < sums[0, 2] < sums[0, 3]  # some drafts agree and some do not: the test tells them apart

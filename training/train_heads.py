@@ -16,7 +16,6 @@ alpha_by_depth.png in `output_dir`, and to W&B with `--report_to wandb` (offline
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -255,10 +254,11 @@ class Run:
             heads.train(training)
         return scores["heads"]
 
-    def report(self, costs) -> list[dict]:
-        """Evaluate the heads on the held-out rows; log the figures to the tracker, metrics.jsonl and the plot."""
+    def report(self, costs, scores: dict | None = None) -> list[dict]:
+        """Evaluate the heads on the held-out rows (or take their `scores`, already evaluated); log the figures to
+        the tracker, metrics.jsonl and the plot."""
         acc, progress = self.accelerator, self.progress
-        progress.trained = self.evaluate(self.heads)
+        progress.trained = self.evaluate(self.heads) if scores is None else scores
         baseline = "start" if self.config.heads.init_from else "untrained"
         max_gamma = self.config.eval.max_gamma
         rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
@@ -288,13 +288,14 @@ class Run:
             acc.init_trackers(lc.project, config=asdict(config), init_kwargs={"wandb": wandb})
             if acc.is_main_process:
                 progress.tracker_run_id = acc.get_tracker("wandb", unwrap=True).id
+        started_from = config.heads.init_from is not None  # its heads at step 0 are the baseline
         if progress.untrained is None:  # the baseline: fresh heads, or the heads.init_from start before any step
-            start = copy.deepcopy(self.heads) if config.heads.init_from else self.heads.untrained_copy()
-            progress.untrained = self.evaluate(start)
+            progress.untrained = self.evaluate(self.heads if started_from else self.heads.untrained_copy())
         costs = (
             measure(self.adapter, self.heads, self.eval_rows, config.eval, self.vocab) if acc.is_main_process else None
         )
-        rows = self.report(costs) if progress.step == 0 else None  # a resumed run reports at its next evaluation
+        # a resumed run reports at its next evaluation
+        rows = self.report(costs, progress.untrained if started_from else None) if progress.step == 0 else None
         if rows is not None:
             acc.print(format_table(rows))
         tokens_per_step = tc.batch_size * tc.gradient_accumulation_steps * config.data.seq_len

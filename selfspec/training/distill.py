@@ -159,19 +159,21 @@ def score_sums(
     log_p = torch.log_softmax(logits.float(), dim=-1)  # [batch, T, V], shared by every draft
     p, top = log_p.exp(), logits.argmax(-1)
     ids = vocab.rows if vocab is not None else None  # None: KL over the whole vocabulary
-    log_p_kl = torch.log_softmax(logits.index_select(-1, ids).float(), dim=-1) if ids is not None else log_p
+    log_p_kl = log_p
+    if ids is not None:  # q is zero off the vocabulary's tokens: every sum runs over them alone, [..., N] not [..., V]
+        vocab, p = vocab.compacted(), p.index_select(-1, ids)
+        log_p_kl = torch.log_softmax(logits.index_select(-1, ids).float(), dim=-1)
     weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.double()
     rows, chain = [], None
     for draft in heads.distillation_drafts(adapter, hidden_states, vocab, mask):
-        q_logits = draft.head(draft.hidden)
+        q_logits = draft.head(draft.hidden)  # [..., N] over the vocabulary's tokens, in its (sorted) order
         log_q = torch.log_softmax(q_logits.float(), dim=-1)
-        p_draft = draft.teacher(p)
         teacher_log_p = draft.teacher(log_p_kl)
-        draft_log_q = torch.log_softmax(q_logits.index_select(-1, ids).float(), dim=-1) if ids is not None else log_q
         p_kl = teacher_log_p.exp()
-        kl = torch.where(p_kl > 0, p_kl * (teacher_log_p - draft_log_q), 0.0).sum(-1)  # [batch, positions]
-        alpha = torch.minimum(p_draft, log_q.exp()).sum(-1)
-        agree = (q_logits.argmax(-1) == draft.teacher(top)).double()
+        kl = torch.where(p_kl > 0, p_kl * (teacher_log_p - log_q), 0.0).sum(-1)  # [batch, positions]
+        alpha = torch.minimum(draft.teacher(p), log_q.exp()).sum(-1)
+        guess = q_logits.argmax(-1)  # the first of equal maxima: the smallest token id, as over [..., V]
+        agree = ((ids[guess] if ids is not None else guess) == draft.teacher(top)).double()
         weight = draft.teacher(weights).double()
         chain = agree if chain is None else chain[:, : agree.shape[1]] * agree
         kl = torch.where(weight > 0, kl.double() * weight, 0.0)  # not inf * 0 where a position is left out
