@@ -343,3 +343,33 @@ def test_scores_over_a_draft_vocabulary_are_those_of_its_drafts_spread_over_the_
             expected.append([kl[keep].sum(), alpha[keep].sum(), agree[keep].sum(), keep.sum(), chain[keep].sum()])
     torch.testing.assert_close(sums, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
     assert 0 < sums[0, 2] < sums[0, 3]  # some drafts agree and some do not: the test tells them apart
+
+
+def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
+    """training/probe_copying.py: a token is "copied" where it continues an earlier occurrence of the two tokens
+    before it; the split counts each answer token once, and its top-1 sums are those of score_sums on each part."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    from probe_copying import copyable, split_by_copying
+
+    # index m flags token m + 1: 9 at index 5 continues (1, 2) -> 9 seen at 0-2; 7 at index 6 does not
+    assert copyable([1, 2, 9, 4, 1, 2, 9, 7]) == [False, False, False, False, False, True, False, False]
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = MedusaHeads(adapter.fingerprint(), 2)
+    prompt, answer = [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12]  # 7 and 8 continue (5, 6) and (6, 7)
+    with torch.no_grad():
+        table = split_by_copying(model, adapter, heads, None, [{"prompt": prompt, "answer": answer, "category": "x"}])
+        flags = torch.tensor([copyable(prompt + answer)])
+        mask = torch.zeros(1, 12, dtype=torch.bool)
+        mask[0, 5:-1] = True  # the positions whose next token is an answer token
+        hidden_states, logits = target_pass(model, torch.tensor([prompt + answer]))
+        copied = score_sums(heads, adapter, hidden_states, logits, None, mask & flags)[0]
+        other = score_sums(heads, adapter, hidden_states, logits, None, mask & ~flags)[0]
+    assert flags[0, 5:-1].tolist() == [False, False, True, True, False, False]
+    assert copied[3] == 2 and other[3] == 4  # the first draft is taught at every answer token here
+    row = f"| x | 6 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} |"
+    assert row in table and table[-1].startswith("| overall | 6 |")

@@ -9,7 +9,8 @@ forms the circuit; the chat data then keeps it.
 Each conversation asks the target to repeat a text: "copy shuffled" takes 12-80 words drawn at random from the
 source conversations (any order, so only copying predicts them), "copy passage" a contiguous span of 30-200 words
 of a source prompt (manual pages, news, Wikipedia, program messages in 11 languages). With probability 0.3 a
-second turn asks for it once more. The answer is the text itself: training distils the target's distribution at
+second turn asks for it once more (words are joined by single spaces: layout and code indentation are not
+copied). The answer is the text itself: training distils the target's distribution at
 every answer position, and on this context the target copies, so no generation is needed. Seeded: the same
 command writes the same bytes.
 
@@ -121,8 +122,9 @@ def main(argv=None) -> None:
     rows = [conversation(rng, index, texts, words) for index in range(args.count)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    held = [row for row in rows if row["index"] % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    card.write_gzip(out / "train.jsonl.gz", [row for row in rows if row not in held])
+    is_held = [row["index"] % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for row in rows]
+    held = [row for row, flag in zip(rows, is_held, strict=True) if flag]
+    card.write_gzip(out / "train.jsonl.gz", [row for row, flag in zip(rows, is_held, strict=True) if not flag])
     card.write_gzip(out / "heldout.jsonl.gz", held)
     write_card(out, rows, args)
     print(f"{len(rows) - len(held)} training and {len(held)} held-out conversations in {out}")

@@ -54,7 +54,8 @@ class Draft:
     name: str  # exit_<k> or medusa_<i>
     hidden: torch.Tensor  # [batch, positions, H] the head's input
     offset: int  # the teacher of the head's position t is the target's distribution at t + offset
-    head: Callable[[torch.Tensor], torch.Tensor]  # hidden -> draft logits [batch, positions, V]
+    # hidden -> draft logits [batch, positions, V], or [..., N] over a compacted draft vocabulary's tokens
+    head: Callable[[torch.Tensor], torch.Tensor]
     weight: float = 1.0  # its share of the training loss (an EAGLE head weighs later unrolled steps less)
 
     def teacher(self, per_position: torch.Tensor) -> torch.Tensor:

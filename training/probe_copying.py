@@ -1,0 +1,137 @@
+"""Does a draft head copy? Two measures of EAGLE, Medusa or exit heads on a target, teacher-forced (`score_sums`):
+
+1. **Repeats**: a text repeated three times; the heads' top-1 agreement with the target on the third copy, beside
+   how often the target itself copies there. Once as a sentence, once as random tokens of the draft vocabulary
+   (only copying predicts those).
+2. **Recorded answers** (`--prompts`): each prompt's greedy answer from `model.generate` (recorded once into
+   `--records`, JSON), and the heads' top-1 at draft 1 over its tokens, split into those a copy predicts (the
+   token continues an earlier occurrence of the two tokens before it, in the prompt or the answer so far: a
+   continuation n-gram lookup could draft) and the rest, per category.
+
+    python training/probe_copying.py --heads heads/smollm2-135m-instruct/eagle-head \\
+        --prompts specbench_dev.jsonl --limit_per_category 4 --records runs/copy_records.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from selfspec.adapter import ModelAdapter
+from selfspec.cli.options import encode
+from selfspec.heads import load_heads
+from selfspec.measure.prompts import first_per_category, read_prompts
+from selfspec.measure.replay import record_answers
+from selfspec.targets import load_model
+from selfspec.training.distill import score_sums, target_pass
+
+SENTENCE = "The farmer sells apples, pears and plums at the market in the old town square every Sunday morning."
+
+
+def copyable(tokens: list[int]) -> list[bool]:
+    """Per index m (the position whose next token is m + 1, as a loss mask's): does tokens[m + 1] continue an
+    earlier occurrence of (tokens[m - 1], tokens[m])?"""
+    seen, flags = defaultdict(set), [False]
+    for m in range(1, len(tokens) - 1):
+        pair = tokens[m - 1], tokens[m]
+        flags.append(tokens[m + 1] in seen[pair])
+        seen[pair].add(tokens[m + 1])
+    return flags + [False]
+
+
+def top1_sums(heads, adapter, model, ids: torch.Tensor, masks: list[torch.Tensor], vocab) -> list[torch.Tensor]:
+    """Per mask, [drafts, 2]: the top-1 agreements over the positions it marks, and their count."""
+    hidden_states, logits = target_pass(model, ids)
+    return [score_sums(heads, adapter, hidden_states, logits, vocab, mask)[:, 2:4] for mask in masks]
+
+
+def repeats(model, adapter, heads, tokenizer, vocab, seed: int = 0) -> list[str]:
+    generator = torch.Generator().manual_seed(seed)
+    pool = vocab.ids if vocab is not None else torch.arange(model.config.vocab_size)
+    pool = pool[~torch.isin(pool, torch.tensor(tokenizer.all_special_ids, dtype=pool.dtype))]  # no EOS in the text
+    texts = {
+        "sentence": tokenizer(SENTENCE, return_tensors="pt", add_special_tokens=False).input_ids[0],
+        "random tokens": pool[torch.randint(len(pool), (40,), generator=generator)],
+    }
+    lines = []
+    for name, part in texts.items():
+        ids, n = part.repeat(3)[None], len(part)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[0, 2 * n - 1 : -1] = True  # the positions whose next token is in the third copy
+        logits = model(ids).logits
+        target = (logits[0, 2 * n - 1 : -1].argmax(-1) == ids[0, 2 * n :]).float().mean()
+        (sums,) = top1_sums(heads, adapter, model, ids, [mask], vocab)
+        top1 = ", ".join(f"{float(s[0] / s[1]):.3f}" for s in sums)
+        lines.append(f"{name:13s} third copy: the target copies {float(target):.3f}; heads' top-1 per draft {top1}")
+    return lines
+
+
+def recorded(model, tokenizer, args) -> list[dict]:
+    path = Path(args.records) if args.records else None
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    prompts = read_prompts(args.prompts, tokenizer)
+    if args.limit_per_category is not None:
+        prompts = first_per_category(prompts, args.limit_per_category)
+    categories = [getattr(p, "category", None) for p in prompts]
+    rows = record_answers(model, encode(tokenizer, prompts, "cpu"), args.max_new_tokens, categories)
+    records = [{"prompt": r.prompt, "answer": r.answer, "category": r.category} for r in rows]
+    if path is not None:
+        path.write_text(json.dumps(records))
+    return records
+
+
+def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[str]:
+    sums = defaultdict(lambda: torch.zeros(2, 2, dtype=torch.float64))  # category -> [copied, other] x [agree, n]
+    for record in records:
+        tokens = record["prompt"] + record["answer"]
+        ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
+        parts = top1_sums(heads, adapter, model, ids, [answer & flags, answer & ~flags], vocab)
+        for category in (record.get("category") or "all", "overall"):
+            for k, part in enumerate(parts):
+                sums[category][k] += part[0]
+    lines = ["| category | positions | copied share | top-1, copied | top-1, the rest |", "|---|---:|---:|---:|---:|"]
+    for category in sorted(sums, key=lambda c: (c == "overall", c)):
+        (copied, n_copied), (other, n_other) = sums[category].tolist()
+        lines.append(f"| {category} | {n_copied + n_other:.0f} | {n_copied / max(1, n_copied + n_other):.2f} | "
+                     f"{copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} |")  # fmt: skip
+    return lines
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", nargs="+", required=True, help="heads folders to probe")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="known target name or model folder")
+    parser.add_argument("--draft_vocab", default="heads/smollm2-135m-instruct/draft_vocab.json",
+                        help="the draft vocabulary the heads draft from ('none': the whole vocabulary)")  # fmt: skip
+    parser.add_argument("--prompts", default=None, help="a prompts file (selfspec bench's formats)")
+    parser.add_argument("--limit_per_category", type=int, default=None)
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--records", default=None,
+                        help="JSON of answers: read if it exists (whatever --prompts says), else recorded")  # fmt: skip
+    parser.add_argument("--num_threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    adapter = ModelAdapter(model)
+    vocab = adapter.draft_vocabulary(args.draft_vocab) if args.draft_vocab != "none" else None
+    records = recorded(model, tokenizer, args) if args.prompts or args.records else None
+    for path in args.heads:
+        heads = load_heads(path, adapter).eval()
+        print(f"## {path}")
+        print("\n".join(repeats(model, adapter, heads, tokenizer, vocab)))
+        if records:
+            print(f"\ndraft 1 on {len(records)} recorded greedy answers:\n")
+            print("\n".join(split_by_copying(model, adapter, heads, vocab, records)))
+        print()
+
+
+if __name__ == "__main__":
+    main()
