@@ -43,9 +43,9 @@ def copyable(tokens: list[int]) -> list[bool]:
     return flags + [False]
 
 
-def top1_sums(heads, adapter, model, ids: torch.Tensor, masks: list[torch.Tensor], vocab) -> list[torch.Tensor]:
-    """Per mask, [drafts, 2]: the top-1 agreements over the positions it marks, and their count."""
-    hidden_states, logits = target_pass(model, ids)
+def top1_sums(heads, adapter, hidden_states, logits, masks: list[torch.Tensor], vocab) -> list[torch.Tensor]:
+    """Per mask, [drafts, 2]: the top-1 agreements over the positions it marks, and their count (one target pass's
+    `hidden_states` and `logits`)."""
     return [score_sums(heads, adapter, hidden_states, logits, vocab, mask)[:, 2:4] for mask in masks]
 
 
@@ -62,9 +62,9 @@ def repeats(model, adapter, heads, tokenizer, vocab, seed: int = 0) -> list[str]
         ids, n = part.repeat(3)[None], len(part)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[0, 2 * n - 1 : -1] = True  # the positions whose next token is in the third copy
-        logits = model(ids).logits
+        hidden_states, logits = target_pass(model, ids)
         target = (logits[0, 2 * n - 1 : -1].argmax(-1) == ids[0, 2 * n :]).float().mean()
-        (sums,) = top1_sums(heads, adapter, model, ids, [mask], vocab)
+        (sums,) = top1_sums(heads, adapter, hidden_states, logits, [mask], vocab)
         top1 = ", ".join(f"{float(s[0] / s[1]):.3f}" for s in sums)
         lines.append(f"{name:13s} third copy: the target copies {float(target):.3f}; heads' top-1 per draft {top1}")
     return lines
@@ -92,7 +92,8 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[
         ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
         answer = torch.zeros_like(ids, dtype=torch.bool)
         answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
-        parts = top1_sums(heads, adapter, model, ids, [answer & flags, answer & ~flags], vocab)
+        hidden_states, logits = target_pass(model, ids)
+        parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
         for category in (record.get("category") or "all", "overall"):
             for k, part in enumerate(parts):
                 sums[category][k] += part[0]
