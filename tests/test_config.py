@@ -99,6 +99,9 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--target.dtype", "int8"], "target.dtype must be one of"),
         (["--train.save_dtype", "int8"], "train.save_dtype must be one of float32, bfloat16, float16; got 'int8'"),
         (["--heads.exit_layers", "[]"], "heads.exit_layers must list at least one depth"),
+        (["--train.copy_rows", "-1"], "train.copy_rows must be at least 0, got -1"),
+        (["--train.copy_segment", "0"], "train.copy_segment must be at least 1, got 0"),
+        (["--train.copy_repeats", "1"], "train.copy_repeats must be at least 2, got 1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -47,7 +47,7 @@ from selfspec.measure.profile import (
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.training.data import load_rows, row_tensors
+from selfspec.training.data import copy_pool, copy_rows, load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
 from selfspec.training.feature_cache import FeatureCache, rows_digest
 
@@ -192,6 +192,12 @@ class Run:
         self.vocab = self.adapter.draft_vocabulary(tc.draft_vocab) if tc.draft_vocab else None
         objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits, self.vocab)
         self.train_vocab = objective.vocab  # the target's logits over it only (None: the whole vocabulary)
+        self.copy_pool = None  # train.copy_rows: their tokens, and a fixed set of them held out for evaluation
+        if tc.copy_rows:
+            vocab_size = self.model.get_output_embeddings().weight.shape[0]
+            draft_ids = self.vocab.ids if self.vocab is not None else None
+            self.copy_pool = copy_pool(vocab_size, tokenizer.all_special_ids, draft_ids)
+            self.copy_eval = copy_rows(self.copy_pool, config.eval.batch_size, tc.copy_segment, tc.copy_repeats, -1)
         self.cache = self.feature_cache() if tc.feature_cache else None
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
@@ -235,14 +241,18 @@ class Run:
         hidden_states = self.cache.hidden_states(index, batch, lambda ids: target_states(self.model, ids))
         return hidden_states, self.adapter.lm_logits(hidden_states[-1], vocab=self.train_vocab)
 
-    def evaluate(self, heads: DraftHeads) -> dict:
+    def evaluate(self, heads: DraftHeads, rows: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> dict:
+        """Scores per draft on the held-out rows (or on `rows` with their `masks`, the same on every process)."""
         acc = self.accelerator
 
         def reduce(totals):
             return acc.reduce(totals, reduction="sum")
 
-        shard = self.eval_rows[acc.process_index :: acc.num_processes]
-        masks = self.eval_masks[acc.process_index :: acc.num_processes]
+        if rows is None:
+            shard = self.eval_rows[acc.process_index :: acc.num_processes]
+            masks = self.eval_masks[acc.process_index :: acc.num_processes]
+        else:
+            shard, reduce = rows, None
         training, _ = heads.training, heads.eval()  # no dropout while evaluating (lora.dropout)
         try:
             with acc.autocast():
@@ -262,9 +272,13 @@ class Run:
         baseline = "start" if self.config.heads.init_from else "untrained"
         max_gamma = self.config.eval.max_gamma
         rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
+        if self.copy_pool is not None:  # how well the heads copy: top-1 on the held-out copy rows
+            copied = self.evaluate(self.heads, *self.copy_eval)
+            for row in rows:
+                row["copy_top1"] = copied[row["draft"]]["top1"]
         record = {"step": progress.step, "tokens_seen": progress.tokens_seen}
         for row in rows:
-            for key in ("alpha", "top1", "kl", "chain", "conditional", "untrained_alpha", "c", "speedup"):
+            for key in ("alpha", "top1", "kl", "chain", "conditional", "untrained_alpha", "c", "speedup", "copy_top1"):
                 if key in row:  # c and the speedup are measured on the main process only
                     record[f"eval/{key}/{row['draft']}"] = round(row[key], 5)
         record["eval/alpha_mean"] = sum(row["alpha"] for row in rows) / len(rows)
@@ -310,7 +324,7 @@ class Run:
         )
         last_saved, started = progress.step, time.perf_counter()
         while progress.step < tc.max_steps:
-            loss_sum = torch.zeros((), device=acc.device)
+            loss_sum = self.copy_step() if tc.copy_rows else torch.zeros((), device=acc.device)
             for micro in range(tc.gradient_accumulation_steps):
                 index = step_rows(len(self.rows.train), config, progress.step, micro, *self.process)
                 batch, mask = row_tensors(self.rows.train, index)  # [batch_size / processes, seq_len] each
@@ -353,6 +367,22 @@ class Run:
         if last_saved != progress.step:
             save_checkpoint(acc, config, progress.step)
         self.finish(rows if rows is not None else self.report(costs))
+
+    def copy_step(self) -> torch.Tensor:
+        """Learn from this step's train.copy_rows copy rows (a pure function of seed, step and process), weighted
+        as one micro-step; gradients accumulate unsynchronised until the data's last micro-step."""
+        tc, acc = self.config.train, self.accelerator
+        process, processes = self.process
+        seed = tc.seed * 1_000_000_007 + self.progress.step * processes + process
+        batch, mask = (
+            t.to(acc.device) for t in copy_rows(self.copy_pool, tc.copy_rows, tc.copy_segment, tc.copy_repeats, seed)
+        )
+        with acc.autocast():
+            hidden_states, logits = target_pass(self.model, batch, self.adapter, self.train_vocab)
+        with acc.no_sync(self.objective):
+            loss = self.objective(hidden_states, logits, mask).sum() / tc.gradient_accumulation_steps
+            acc.backward(loss)
+        return loss.detach()
 
     def lora_comparison(self) -> str:
         """Held-out alpha with the draft adapter, with it switched off (the same heads) and of the baseline heads."""

@@ -159,6 +159,8 @@ def format_table(rows: list[dict]) -> str:
     if rows and "draft_alpha" in rows[0]:
         columns += [("draft_alpha", "alpha, draft head", "{:.3f}"), ("draft_top1", "top-1, draft head", "{:.3f}")]
         columns += [("draft_c", "c, draft head", "{:.3f}")]
+    if rows and "copy_top1" in rows[0]:
+        columns += [("copy_top1", "top-1 on copy rows", "{:.3f}")]
     cells = [[title for _, title, _ in columns]] + [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in cells]

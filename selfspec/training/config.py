@@ -264,6 +264,10 @@ class TrainConfig:
     # training and its checkpoints stay in float32
     feature_cache: str | None = None  # a folder: the target's hidden states per training row, stored at a row's
     # first visit and read back at later ones (epochs after the first skip the target's forward); None: no cache
+    copy_rows: int = 0  # synthetic copy rows learned at every step beside the data's rows (per process): random
+    # tokens of the draft vocabulary, a segment repeated, that teach the heads to copy (data.py's `copy_rows`); 0: none
+    copy_segment: int = 24  # tokens per copied segment
+    copy_repeats: int = 3  # copies of the segment per copy row (the loss on every copy after the first)
 
     def __post_init__(self):
         _one_of("train.loss", self.loss, ("kl", "soft_ce"))
@@ -271,6 +275,9 @@ class TrainConfig:
         _one_of("train.mixed_precision", self.mixed_precision, ("auto", "bf16", "fp16", "no"))
         names = ("max_steps", "batch_size", "gradient_accumulation_steps", "checkpoint_every", "keep_checkpoints")
         _at_least("train", self, 1, names)
+        _at_least("train", self, 0, ("copy_rows",))
+        _at_least("train", self, 1, ("copy_segment",))
+        _at_least("train", self, 2, ("copy_repeats",))
         if self.num_threads is not None:
             _at_least("train", self, 1, ("num_threads",))
         if self.lr <= 0:

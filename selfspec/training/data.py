@@ -289,3 +289,29 @@ def row_tensors(rows: datasets.Dataset, indices) -> tuple[torch.Tensor, torch.Te
     from the data set once."""
     picked = rows[list(indices)]
     return torch.tensor(picked["input_ids"], dtype=torch.long), torch.tensor(picked["loss_mask"], dtype=torch.bool)
+
+
+def copy_pool(vocab_size: int, special_ids, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens copy rows draw from: the draft vocabulary's (the whole vocabulary's without one), special tokens
+    left out."""
+    ids = torch.arange(vocab_size) if draft_ids is None else draft_ids.cpu()
+    pool = ids[~torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype))]
+    if len(pool) < 2:
+        raise ValueError("copy rows need at least 2 non-special tokens to draw from")
+    return pool
+
+
+def copy_rows(
+    pool: torch.Tensor, rows: int, segment: int, repeats: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic copy rows: per row, `segment` tokens drawn at random from `pool` and repeated `repeats` times
+    (`[rows, segment * repeats]` ids), and a loss mask of the positions after the first segment, where only copying
+    predicts the next token (the target does: it continues a repeat almost always). They teach a head the
+    induction circuit (find the current token's earlier occurrence, read what followed it) that natural text
+    teaches slowly. Pure function of `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(pool), (rows, segment), generator=generator)
+    ids = pool[picks].repeat(1, repeats)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, segment:] = True
+    return ids, mask
