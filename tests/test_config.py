@@ -100,7 +100,7 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--train.save_dtype", "int8"], "train.save_dtype must be one of float32, bfloat16, float16; got 'int8'"),
         (["--heads.exit_layers", "[]"], "heads.exit_layers must list at least one depth"),
         (["--train.copy_rows", "-1"], "train.copy_rows must be at least 0, got -1"),
-        (["--train.copy_segment", "0"], "train.copy_segment must be at least 1, got 0"),
+        (["--train.copy_segment", "0"], "train.copy_segment must be at least 2, got 0"),
         (["--train.copy_repeats", "1"], "train.copy_repeats must be at least 2, got 1"),
     ],
 )

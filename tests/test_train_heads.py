@@ -591,19 +591,21 @@ def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
     assert torch.equal(out, expected)
 
 
-def test_copy_rows_repeat_random_segments_and_learn_from_the_repeats():
+def test_copy_rows_repeat_random_segments_of_random_lengths():
     assert copy_pool(10, [0, 1, 2]).tolist() == list(range(3, 10))
     assert copy_pool(10, [2], torch.tensor([2, 5, 7])).tolist() == [5, 7]  # a draft vocabulary's tokens
     with pytest.raises(ValueError, match="copy rows need at least 2 non-special tokens"):
         copy_pool(3, [0, 1])
-    pool = copy_pool(100, [0, 1, 2])
-    ids, mask = copy_rows(pool, rows=3, segment=5, repeats=3, seed=7)
-    assert ids.shape == mask.shape == (3, 15)
-    assert torch.equal(ids[:, 5:10], ids[:, :5]) and torch.equal(ids[:, 10:], ids[:, :5])
-    assert torch.isin(ids, pool).all() and len(ids[:, :5].unique()) > 5  # random segments, differing by row
-    assert not mask[:, :5].any() and mask[:, 5:].all()  # the loss only where a copy predicts the next token
-    assert torch.equal(copy_rows(pool, 3, 5, 3, seed=7)[0], ids)
-    assert not torch.equal(copy_rows(pool, 3, 5, 3, seed=8)[0], ids)
+    pool = copy_pool(1000, [0, 1, 2])
+    ids, mask = copy_rows(pool, rows=64, segment=12, repeats=3, seed=7)
+    assert ids.shape == mask.shape == (64, 36) and torch.isin(ids, pool).all()
+    periods = (~mask).sum(1)  # the loss starts where the first copy ends
+    assert set(periods.tolist()) == set(range(3, 13))  # a quarter of the longest segment up to it
+    for row, period in zip(ids, periods.tolist(), strict=True):
+        assert torch.equal(row[period:], row[:-period])  # repeated to fill the row
+        assert len(row[:period].unique()) > period // 2  # random tokens (repeats within a segment are rare)
+    assert torch.equal(copy_rows(pool, 64, 12, 3, seed=7)[0], ids)
+    assert not torch.equal(copy_rows(pool, 64, 12, 3, seed=8)[0], ids)
 
 
 def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
@@ -613,7 +615,7 @@ def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
     steps = {"train.max_steps": 30, "eval.every": 15}
-    copies = {"train.copy_rows": 8, "train.copy_segment": 6, "train.copy_repeats": 3}
+    copies = {"train.copy_rows": 8, "train.copy_segment": 8, "train.copy_repeats": 3}
     train_in_process(write_config(world, "copying", **overrides, **steps, **copies))
     train_in_process(write_config(world, "not-copying", **overrides, **steps))
     records = [json.loads(line) for line in (world["root"] / "copying" / "run" / "metrics.jsonl").open()]
@@ -621,7 +623,7 @@ def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
     adapter = ModelAdapter(model)
     pool = copy_pool(len(VOCAB), AutoTokenizer.from_pretrained(world["target"]).all_special_ids)
-    rows, masks = copy_rows(pool, 8, 6, 3, seed=-1)  # the run's held-out copy rows (eval.batch_size of them)
+    rows, masks = copy_rows(pool, 8, 8, 3, seed=-1)  # the run's held-out copy rows (eval.batch_size of them)
     copied = {}
     for name in ("copying", "not-copying"):
         heads = load_heads(world["root"] / name / "heads", adapter)

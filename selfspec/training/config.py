@@ -266,8 +266,8 @@ class TrainConfig:
     # first visit and read back at later ones (epochs after the first skip the target's forward); None: no cache
     copy_rows: int = 0  # synthetic copy rows learned at every step beside the data's rows (per process): random
     # tokens of the draft vocabulary, a segment repeated, that teach the heads to copy (data.py's `copy_rows`); 0: none
-    copy_segment: int = 24  # tokens per copied segment
-    copy_repeats: int = 3  # copies of the segment per copy row (the loss on every copy after the first)
+    copy_segment: int = 48  # the longest copied segment; each row draws its length from a quarter of it up to it
+    copy_repeats: int = 3  # a copy row holds copy_segment x copy_repeats tokens (shorter segments repeat more often)
 
     def __post_init__(self):
         _one_of("train.loss", self.loss, ("kl", "soft_ce"))
@@ -276,7 +276,7 @@ class TrainConfig:
         names = ("max_steps", "batch_size", "gradient_accumulation_steps", "checkpoint_every", "keep_checkpoints")
         _at_least("train", self, 1, names)
         _at_least("train", self, 0, ("copy_rows",))
-        _at_least("train", self, 1, ("copy_segment",))
+        _at_least("train", self, 2, ("copy_segment",))
         _at_least("train", self, 2, ("copy_repeats",))
         if self.num_threads is not None:
             _at_least("train", self, 1, ("num_threads",))

@@ -304,14 +304,16 @@ def copy_pool(vocab_size: int, special_ids, draft_ids: torch.Tensor | None = Non
 def copy_rows(
     pool: torch.Tensor, rows: int, segment: int, repeats: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic copy rows: per row, `segment` tokens drawn at random from `pool` and repeated `repeats` times
-    (`[rows, segment * repeats]` ids), and a loss mask of the positions after the first segment, where only copying
-    predicts the next token (the target does: it continues a repeat almost always). They teach a head the
-    induction circuit (find the current token's earlier occurrence, read what followed it) that natural text
-    teaches slowly. Pure function of `seed`."""
+    """Synthetic copy rows of `segment * repeats` tokens: per row, a segment of random tokens from `pool`, its length
+    drawn from a quarter of `segment` (at least 2) up to `segment`, repeated to fill the row (the last copy cut short),
+    and a loss mask of the positions after the first segment, where only copying predicts the next token (the
+    target does: it continues a repeat almost always). They teach a head the induction circuit (find the current
+    token's earlier occurrence, read what followed it) that natural text teaches slowly. The lengths vary so that
+    no fixed distance back predicts the next token: only matching the token does. Pure function of `seed`."""
     generator = torch.Generator().manual_seed(seed)
+    length = segment * repeats
+    periods = torch.randint(max(2, segment // 4), segment + 1, (rows, 1), generator=generator)
     picks = torch.randint(len(pool), (rows, segment), generator=generator)
-    ids = pool[picks].repeat(1, repeats)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[:, segment:] = True
-    return ids, mask
+    positions = torch.arange(length)
+    ids = pool[picks.gather(1, positions % periods)]
+    return ids, positions >= periods
