@@ -1,8 +1,9 @@
 """Does a draft head copy? Two measures of EAGLE, Medusa or exit heads on a target, teacher-forced (`score_sums`):
 
 1. **Repeats**: a text repeated three times; the heads' top-1 agreement with the target on the third copy, beside
-   how often the target itself copies there. Once as a sentence, once as random tokens of the draft vocabulary
-   (only copying predicts those).
+   how often the target itself copies there. Once as a sentence, and as random tokens of the draft vocabulary
+   (only copying predicts those) 40, 16 and 24 long: a head that reads a fixed distance back instead of matching
+   the token scores on one length only.
 2. **Recorded answers** (`--prompts`): each prompt's greedy answer from `model.generate` (recorded once into
    `--records`, JSON), and the heads' top-1 at draft 1 over its tokens, split into those a copy predicts (the
    token continues an earlier occurrence of the two tokens before it, in the prompt or the answer so far: a
@@ -53,10 +54,9 @@ def repeats(model, adapter, heads, tokenizer, vocab, seed: int = 0) -> list[str]
     generator = torch.Generator().manual_seed(seed)
     pool = vocab.ids if vocab is not None else torch.arange(model.config.vocab_size)
     pool = pool[~torch.isin(pool, torch.tensor(tokenizer.all_special_ids, dtype=pool.dtype))]  # no EOS in the text
-    texts = {
-        "sentence": tokenizer(SENTENCE, return_tensors="pt", add_special_tokens=False).input_ids[0],
-        "random tokens": pool[torch.randint(len(pool), (40,), generator=generator)],
-    }
+    texts = {"sentence": tokenizer(SENTENCE, return_tensors="pt", add_special_tokens=False).input_ids[0]}
+    for length in (40, 16, 24):  # 40 first: the same 40 tokens as when it was the only length
+        texts[f"{length} random"] = pool[torch.randint(len(pool), (length,), generator=generator)]
     lines = []
     for name, part in texts.items():
         ids, n = part.repeat(3)[None], len(part)
