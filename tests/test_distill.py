@@ -352,10 +352,14 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-    from probe_copying import copyable, split_by_copying
+    from probe_copying import copyable, lookup_right, split_by_copying
 
     # index m flags token m + 1: 9 at index 5 continues (1, 2) -> 9 seen at 0-2; 7 at index 6 does not
     assert copyable([1, 2, 9, 4, 1, 2, 9, 7]) == [False, False, False, False, False, True, False, False]
+    # lookup drafts the latest continuation: after (1, 2) 9, then 7; the last 9 is copyable but not looked up
+    tokens = [1, 2, 9, 4, 1, 2, 7, 1, 2, 9]
+    assert [m for m, flag in enumerate(copyable(tokens)) if flag] == [8]
+    assert not any(lookup_right(tokens)) and lookup_right([1, 2, 9, 1, 2, 9]) == [False] * 4 + [True, False]
     model = tiny_model("llama")
     adapter = ModelAdapter(model)
     torch.manual_seed(0)
@@ -371,5 +375,5 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
         other = score_sums(heads, adapter, hidden_states, logits, None, mask & ~flags)[0]
     assert flags[0, 5:-1].tolist() == [False, False, True, True, False, False]
     assert copied[3] == 2 and other[3] == 4  # the first draft is taught at every answer token here
-    row = f"| x | 6 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} |"
+    row = f"| x | 6 | 0.33 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} |"
     assert row in table and table[-1].startswith("| overall | 6 |")

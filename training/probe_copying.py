@@ -7,7 +7,8 @@
 2. **Recorded answers** (`--prompts`): each prompt's greedy answer from `model.generate` (recorded once into
    `--records`, JSON), and the heads' top-1 at draft 1 over its tokens, split into those a copy predicts (the
    token continues an earlier occurrence of the two tokens before it, in the prompt or the answer so far: a
-   continuation n-gram lookup could draft) and the rest, per category.
+   continuation n-gram lookup could draft) and the rest, per category, beside how often the latest such
+   continuation is the token (what two-token lookup drafts, right).
 
     python training/probe_copying.py --heads heads/smollm2-135m-instruct/eagle-head \\
         --prompts specbench_dev.jsonl --limit_per_category 4 --records runs/copy_records.json
@@ -41,6 +42,17 @@ def copyable(tokens: list[int]) -> list[bool]:
         pair = tokens[m - 1], tokens[m]
         flags.append(tokens[m + 1] in seen[pair])
         seen[pair].add(tokens[m + 1])
+    return flags + [False]
+
+
+def lookup_right(tokens: list[int]) -> list[bool]:
+    """Per index m, as `copyable`: is tokens[m + 1] what followed the latest earlier occurrence of (tokens[m - 1],
+    tokens[m])? (what two-token n-gram lookup drafts there)"""
+    latest, flags = {}, [False]
+    for m in range(1, len(tokens) - 1):
+        pair = tokens[m - 1], tokens[m]
+        flags.append(latest.get(pair) == tokens[m + 1])
+        latest[pair] = tokens[m + 1]
     return flags + [False]
 
 
@@ -86,7 +98,8 @@ def recorded(model, tokenizer, args) -> list[dict]:
 
 
 def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[str]:
-    sums = defaultdict(lambda: torch.zeros(2, 2, dtype=torch.float64))  # category -> [copied, other] x [agree, n]
+    # category -> [copied, other, lookup right] x [agree, n]
+    sums = defaultdict(lambda: torch.zeros(3, 2, dtype=torch.float64))
     for record in records:
         tokens = record["prompt"] + record["answer"]
         ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
@@ -94,13 +107,17 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[
         answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
         hidden_states, logits = target_pass(model, ids)
         parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
+        looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
         for category in (record.get("category") or "all", "overall"):
             for k, part in enumerate(parts):
                 sums[category][k] += part[0]
-    lines = ["| category | positions | copied share | top-1, copied | top-1, the rest |", "|---|---:|---:|---:|---:|"]
+            sums[category][2, 0] += looked_up
+    lines = ["| category | positions | copied share | lookup right | top-1, copied | top-1, the rest |"]
+    lines.append("|---|---:|---:|---:|---:|---:|")
     for category in sorted(sums, key=lambda c: (c == "overall", c)):
-        (copied, n_copied), (other, n_other) = sums[category].tolist()
-        lines.append(f"| {category} | {n_copied + n_other:.0f} | {n_copied / max(1, n_copied + n_other):.2f} | "
+        (copied, n_copied), (other, n_other), (looked_up, _) = sums[category].tolist()
+        n = max(1, n_copied + n_other)
+        lines.append(f"| {category} | {n_copied + n_other:.0f} | {n_copied / n:.2f} | {looked_up / n:.2f} | "
                      f"{copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} |")  # fmt: skip
     return lines
 
