@@ -623,7 +623,7 @@ def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
     adapter = ModelAdapter(model)
     pool = copy_pool(len(VOCAB), AutoTokenizer.from_pretrained(world["target"]).all_special_ids)
-    rows, masks = copy_rows(pool, 8, 8, 3, seed=-1)  # the run's held-out copy rows (eval.batch_size of them)
+    rows, masks = copy_rows(pool, 8, 8, 3, seed=-1)  # the run's held-out copy rows
     copied = {}
     for name in ("copying", "not-copying"):
         heads = load_heads(world["root"] / name / "heads", adapter)

@@ -66,6 +66,8 @@ from common import (
     save_checkpoint,
 )
 
+COPY_EVAL_ROWS = 8  # held-out copy rows scored at each evaluation (train.copy_rows)
+
 
 def load_target(config: TargetConfig, device: torch.device):
     """(frozen target in eval mode, its tokenizer); a peft adapter is applied on top when configured.
@@ -197,7 +199,7 @@ class Run:
             vocab_size = self.model.get_output_embeddings().weight.shape[0]
             draft_ids = self.vocab.ids if self.vocab is not None else None
             self.copy_pool = copy_pool(vocab_size, tokenizer.all_special_ids, draft_ids)
-            self.copy_eval = copy_rows(self.copy_pool, config.eval.batch_size, tc.copy_segment, tc.copy_repeats, -1)
+            self.copy_eval = copy_rows(self.copy_pool, COPY_EVAL_ROWS, tc.copy_segment, tc.copy_repeats, -1)
         self.cache = self.feature_cache() if tc.feature_cache else None
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
