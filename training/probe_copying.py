@@ -29,6 +29,7 @@ from selfspec.heads import load_heads
 from selfspec.measure.prompts import first_per_category, read_prompts
 from selfspec.measure.replay import record_answers
 from selfspec.targets import load_model
+from selfspec.training.data import copy_pool
 from selfspec.training.distill import score_sums, target_pass
 
 SENTENCE = "The farmer sells apples, pears and plums at the market in the old town square every Sunday morning."
@@ -64,8 +65,8 @@ def top1_sums(heads, adapter, hidden_states, logits, masks: list[torch.Tensor], 
 
 def repeats(model, adapter, heads, tokenizer, vocab, seed: int = 0) -> list[str]:
     generator = torch.Generator().manual_seed(seed)
-    pool = vocab.ids if vocab is not None else torch.arange(model.config.vocab_size)
-    pool = pool[~torch.isin(pool, torch.tensor(tokenizer.all_special_ids, dtype=pool.dtype))]  # no EOS in the text
+    # the draft vocabulary's tokens (no EOS in the text), as train.copy_rows draws them
+    pool = copy_pool(model.config.vocab_size, tokenizer.all_special_ids, vocab.ids if vocab is not None else None)
     texts = {"sentence": tokenizer(SENTENCE, return_tensors="pt", add_special_tokens=False).input_ids[0]}
     for length in (40, 16, 24):  # 40 first: the same 40 tokens as when it was the only length
         texts[f"{length} random"] = pool[torch.randint(len(pool), (length,), generator=generator)]
