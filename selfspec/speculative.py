@@ -72,7 +72,9 @@ class SelfSpeculative(DecodingLoop):
             "hybrid" with n-gram lookup where the text has a match and the heads otherwise (adaptive: whichever the
             speedup equation favours from the acceptance each has shown); your own `selfspec.Drafter`; or a list of
             drafters and the names "ngram", "suffix" and "heads" (the heads' drafter), in order of preference, e.g.
-            ["suffix", "heads"].
+            ["suffix", "heads"]. With a tree drafter among them (a `tree` for the heads, or a suffix tree) they do
+            not take turns: every one's proposals join one candidate tree, verified in one pass
+            (`selfspec.drafters.merged`; one prompt at a time).
         prompt_lookup_num_tokens, max_matching_ngram_size: the n-gram drafter's settings (transformers' names)
             for drafter="ngram" or "hybrid". Defaults: 10 and 2.
         compile: True runs the target's passes compiled (`torch.compile`, inductor) over a pre-allocated static
@@ -86,7 +88,8 @@ class SelfSpeculative(DecodingLoop):
 
     Attributes:
         drafters: every drafter in use, in order of preference: a tuple whose repr names each one, e.g.
-            `Drafters('ngram', 'eagle')` for drafter="hybrid" with EAGLE heads.
+            `Drafters('ngram', 'eagle')` for drafter="hybrid" with EAGLE heads (with a tree: one merged drafter,
+            `Drafters('ngram + eagle')`, whose `parts` are the two).
         drafter: the drafter in use where there is one (`spec.drafter.clear_cache()` with drafter="suffix"); with
             several, `drafters` itself, so that it never shows one drafter of a hybrid as if it were the only one.
         stats: what the last `generate` call did (`selfspec.GenerationStats`), None before the first.

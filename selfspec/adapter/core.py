@@ -202,6 +202,20 @@ class ModelAdapter:
         view.layers = layers
         return view
 
+    @classmethod
+    def keep_new(cls, cache: DynamicCache, num_new: int, kept: torch.Tensor) -> None:
+        """Of the `num_new` positions the last pass wrote into every layer, keep those at `kept` [batch, width] (in
+        order, ascending: a tree's accepted path) right after the earlier positions, and drop the rest. Only the
+        kept entries move: the earlier positions stay where they are (`rearrange` rebuilds whole layers)."""
+        width = kept.shape[1]
+        for layer in cache.layers:
+            new = layer.keys.shape[-2] - num_new
+            index = kept[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            for name in ("keys", "values"):
+                entries = getattr(layer, name)
+                entries[:, :, new : new + width] = entries[:, :, new:].gather(2, index)
+        cls.crop(cache, num_new - width)
+
     @staticmethod
     def rearrange(cache: DynamicCache, num_new: int, index) -> None:
         """Rebuild every layer from its entries: `index(old)` gives, for a layer holding `old` earlier

@@ -12,6 +12,7 @@ from ..heads import DraftHeads, EagleHeads, ExitHeads, MedusaHeads
 from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
 from .medusa import MedusaDrafter
+from .merged import MergedTreeDrafter
 from .ngram import NGramDrafter
 from .suffix import SuffixDrafter
 
@@ -78,8 +79,8 @@ def build_drafters(
             drafters.append(model_drafter(adapter, heads, exit_layer, tree, vocab, confidence))
         else:
             drafters.append(MODEL_FREE[name](**(ngram_options if name == "ngram" else {})))
-    if len(drafters) > 1 and any(part.tree is not None for part in drafters):
-        raise ValueError("A tree drafter drafts alone: combine chains only (tree=[] drafts a Medusa chain).")
+    if len(drafters) > 1 and any(part.tree is not None for part in drafters):  # one tree of every part's proposals
+        return Drafters([MergedTreeDrafter(drafters)])
     return Drafters(drafters)
 
 

@@ -322,6 +322,8 @@ class DecodingLoop:
             num_new, width = num_new or kept.shape[1], max(counts)
             if chain and all(count == width for count in counts):
                 self.adapter.crop(state.cache, num_new - width)  # rows agree and kept a prefix: a view, no copy
+            elif all(count == width for count in counts):  # a tree's path: its entries move, nothing else
+                self.adapter.keep_new(state.cache, num_new, kept[:, :width])
             else:
                 shift = torch.tensor([width - count for count in counts], device=kept.device)
                 self.adapter.rearrange(

@@ -237,8 +237,8 @@ def added_memory(spec: SelfSpeculative) -> dict:
     """What drafting adds to the model's memory: the heads' weights and any draft copy of LM-head rows
     (reduced vocabulary, int8), in MB and as a share of the model's parameter bytes."""
     tensors = [*spec.heads.parameters(), *spec.heads.buffers()] if spec.heads is not None else []
-    for drafter in spec.drafters:
-        vocab = getattr(drafter, "vocab", None)
+    for part in (part for drafter in spec.drafters for part in getattr(drafter, "parts", (drafter,))):
+        vocab = getattr(part, "vocab", None)  # a merged tree's parts draft with their own vocabularies
         if vocab is not None:
             tensors += [t for t in (vocab.ids, vocab.weight, vocab.bias, vocab.scales) if t is not None]
     added = _bytes(tensors)

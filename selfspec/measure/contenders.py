@@ -205,8 +205,9 @@ EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 4}  # a small dynamic tree: a CPU
 
 
 def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
-    """An EAGLE head's chain (and with `draft_vocab`), a small dynamic tree, its hybrid with n-gram lookup, and its
-    sampling at `temperature` (None: greedy only); chains with adaptive gamma up to the heads' default."""
+    """An EAGLE head's chain (and with `draft_vocab`), a small dynamic tree, its hybrids with n-gram lookup (chains
+    by turns, and the tree with lookup's chain merged into it), and its sampling at `temperature` (None: greedy
+    only); chains with adaptive gamma up to the heads' default."""
     suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
     field_ = [selfspec_contender(model, "selfspec eagle", False, 1.0, heads=heads)]
     if draft_vocab is not None:
@@ -216,6 +217,9 @@ def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float |
                                      draft_vocab=draft_vocab, tree=EAGLE_TREE))  # fmt: skip
     field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle{suffix}", False, 1.0, drafter="hybrid",
                                      heads=heads, draft_vocab=draft_vocab, **lookup))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle tree{suffix}", False, 1.0,
+                                     drafter="hybrid", heads=heads, draft_vocab=draft_vocab, tree=EAGLE_TREE,
+                                     **lookup))  # fmt: skip
     if temperature is not None:
         field_.append(selfspec_contender(model, f"selfspec eagle T={temperature}{suffix}", True, temperature,
                                          heads=heads, draft_vocab=draft_vocab))  # fmt: skip

@@ -1,0 +1,156 @@
+"""Merged trees: several drafters' proposals verified together, in one pass of the target.
+
+The drafters guess differently. A head guesses the next words from the target's features; n-gram lookup and
+suffix drafting copy what followed the same words earlier in the text. A chain hybrid has to choose one of them
+each iteration; a merged tree takes both: each part's candidates (a tree drafter's tree, a chain drafter's chain
+as one path) join one candidate tree, where a prefix they share is one node, and one verify pass with a tree mask
+checks them all. The tree rule (`engine.verify.accept_tree`) keeps the longest path the target agrees with.
+
+Exact, greedy and sampled: every candidate is chosen from the text and the drafters' own state (chain parts draft
+greedily, from their raw scores), never from the verdict, and the tree rule is exact for any such candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.drafter import Draft, Drafter, DrafterContractError, Processing, Verified
+from ..engine.state import DecodeState
+from ..engine.tree import CandidateTree
+
+
+@dataclass(frozen=True)
+class MergedShape:
+    """The shape the loop reads off a merged tree: how deep its deepest candidate may be."""
+
+    max_depth: int
+
+
+def unprocessed(tokens: torch.Tensor, logits: torch.Tensor, offset: int) -> torch.Tensor:
+    """A chain part drafts from its raw scores: its greedy candidates must not depend on the call's sampling."""
+    return logits
+
+
+def token_paths(tree: CandidateTree, node_tokens: list[int]) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root down, parents first (`tree`'s node order)."""
+    return [tuple(node_tokens[node - 1] for node in tree.prefixes[node]) for node in range(1, tree.num_nodes + 1)]
+
+
+def merge_paths(parts: list[list[tuple[int, ...]]]) -> tuple[CandidateTree, list[int]]:
+    """One candidate tree of the token paths of every part (each part's parents before their children); a path
+    several parts propose is one node. Returns the tree and its node tokens in its node order."""
+    ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # token path -> its path of sibling ranks
+    children: dict[tuple[int, ...], int] = {}  # token path -> how many children it has so far
+    for paths in parts:
+        for path in paths:
+            if path in ranks:
+                continue
+            parent = path[:-1]
+            rank = children.get(parent, 0)
+            children[parent] = rank + 1
+            ranks[path] = (*ranks[parent], rank) if parent else (rank,)
+    tree = CandidateTree.from_paths(list(ranks.values()))
+    tokens = {rank: path[-1] for path, rank in ranks.items()}
+    return tree, [tokens[rank] for rank in tree.paths]
+
+
+class MergedTreeDrafter(Drafter):
+    """Drafts one tree of what every part proposes (see the module docstring), for one prompt at a time.
+
+    Args:
+        parts: the drafters, at least two and one of them a tree drafter; a chain part proposes its
+            `default_drafts` tokens. Parts that run the target's layers themselves (early exit) are refused:
+            the merged tree is verified by one ordinary pass.
+
+    Near the end of a call, where the deepest candidate would not fit, the loop drafts chains: then the first
+    part with a proposal drafts alone.
+    """
+
+    check_drafts = False
+
+    def __init__(self, parts: list[Drafter]):
+        super().__init__()
+        parts = list(parts)
+        if len(parts) < 2 or not any(part.tree is not None for part in parts):
+            raise ValueError(
+                f"A merged tree needs two drafters or more, one of them a tree drafter; got {[p.name for p in parts]}."
+            )
+        for part in parts:
+            if type(part).verify is not Drafter.verify or type(part).verify_tree is not Drafter.verify_tree:
+                raise ValueError(
+                    f"{part.name} runs the target's layers its own way: it cannot join a merged tree, which one "
+                    "ordinary pass of the target verifies. Merge n-gram lookup, suffix drafting, Medusa or EAGLE heads."
+                )
+        self.parts = tuple(parts)
+        self.tree = MergedShape(max(self._depth(part) for part in parts))
+        self.hidden_layers = tuple(dict.fromkeys(layer for part in parts for layer in part.hidden_layers))
+        self.max_drafts = max(part.max_drafts for part in parts)
+        self.default_drafts = max(part.default_drafts for part in parts)
+        self._ready: list[bool] | None = None  # from `available`: which parts propose this iteration
+
+    @staticmethod
+    def _depth(part: Drafter) -> int:
+        return part.tree.max_depth if part.tree is not None else part.default_drafts
+
+    @property
+    def name(self) -> str:
+        return " + ".join(part.name for part in self.parts)
+
+    def estimated_cost(self) -> float:
+        return sum(part.estimated_cost() for part in self.parts)
+
+    def available(self, state: DecodeState) -> bool:
+        self._ready = [part.available(state) for part in self.parts]
+        return any(self._ready)
+
+    def _take_ready(self, state: DecodeState) -> list[bool]:
+        ready = self._ready if self._ready is not None else [part.available(state) for part in self.parts]
+        self._ready = None
+        return ready
+
+    def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
+        """A chain (the loop asks for one where the tree's depth does not fit): the first ready part's."""
+        ready = self._take_ready(state)
+        part = next((part for part, ok in zip(self.parts, ready, strict=True) if ok), None)
+        if part is None:
+            return Draft.empty(state.batch_size, state.sequences.device)
+        return part.draft(state, min(gamma, part.max_drafts), process, do_sample)
+
+    def draft_tree(self, state: DecodeState):
+        """(the merged tree, node tokens [1, N], None: the candidates are chosen deterministically, so the alpha tally
+        reads them as point masses)."""
+        paths = []
+        for part, ok in zip(self.parts, self._take_ready(state), strict=True):
+            if not ok:
+                continue
+            if part.tree is not None:
+                tree, node_tokens, _ = part.draft_tree(state)
+                paths.append(token_paths(tree, node_tokens[0].tolist()))
+            else:
+                chain = part.draft(state, self._depth(part), unprocessed, False).tokens[0].tolist()
+                paths.append([tuple(chain[: i + 1]) for i in range(len(chain))])
+        if not any(paths):
+            raise DrafterContractError(f"{self.name}: every part said it had a proposal, and none proposed a token.")
+        tree, tokens = merge_paths(paths)
+        device = state.sequences.device
+        return tree.to(device), torch.tensor([tokens], dtype=torch.long, device=device), None
+
+    def begin(self, state: DecodeState, hidden: dict) -> None:
+        self._ready = None
+        for part in self.parts:
+            part.begin(state, hidden)
+
+    def accept(self, verified: Verified) -> None:
+        self._ready = None
+        for part in self.parts:
+            part.accept(verified)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for part in self.parts:
+            part.select_rows(rows)
+
+    def end(self, sequences: list[torch.Tensor]) -> None:
+        for part in self.parts:
+            part.end(sequences)

@@ -1,0 +1,95 @@
+"""Merged trees (selfspec/drafters/merged.py): a tree drafter and lookup verified together in one pass stay exact
+(greedy token-identical to `model.generate` on several families, sampling distributed as the target's law), and
+take what either part gets right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle import eagle_heads
+from test_medusa import medusa_heads
+from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
+from tiny_models import random_prompt, tiny_model
+
+from selfspec import NGramDrafter, SelfSpeculative, SuffixDrafter
+from selfspec.drafters.merged import MergedTreeDrafter, merge_paths, token_paths
+from selfspec.engine.tree import CandidateTree
+
+EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 3}
+
+
+def repetitive_prompt(seed: int) -> torch.Tensor:
+    """Text that repeats itself, so that lookup has matches that the target follows (a tiny random model
+    continues a loop it has seen)."""
+    prompt = random_prompt(10, seed=seed)
+    return torch.cat([prompt, prompt, prompt[:, :3]], dim=1)
+
+
+def test_merging_shares_prefixes_and_keeps_parents_first():
+    eagle = CandidateTree.from_paths([[0], [1], [0, 0], [0, 1]])
+    eagle_tokens = [7, 9, 4, 5]  # 7, 9, 7 4, 7 5
+    assert token_paths(eagle, eagle_tokens) == [(7,), (9,), (7, 4), (7, 5)]
+    lookup = [(7,), (7, 5), (7, 5, 2), (7, 5, 2, 8)]
+    tree, tokens = merge_paths([token_paths(eagle, eagle_tokens), lookup])
+    merged = token_paths(tree, tokens)
+    assert sorted(merged) == sorted({*token_paths(eagle, eagle_tokens), *lookup})  # each path once
+    assert tree.num_nodes == 6
+    for index, path in enumerate(merged):  # a parent comes before its children
+        assert len(path) == 1 or merged.index(path[:-1]) < index
+    alone, alone_tokens = merge_paths([lookup])  # one part: its chain as it was
+    assert token_paths(alone, alone_tokens) == lookup
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_lookup_merged_into_an_eagle_tree_matches_generate_and_saves_passes(arch):
+    model = tiny_model(arch)
+    heads = eagle_heads(model)
+    passes = {"tree": 0, "merged": 0}
+    for seed in (3, 4):
+        prompt = repetitive_prompt(seed)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        for name, options in (("tree", {}), ("merged", {"drafter": "hybrid", "prompt_lookup_num_tokens": 6})):
+            spec = SelfSpeculative(model, heads=heads, tree=EAGLE_TREE, **options)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), (arch, name)
+            passes[name] += spec.stats.target_passes
+    assert repr(spec.drafters) == "Drafters('ngram + eagle')"
+    assert spec.drafter.tree.max_depth == 6  # the deepest part: lookup's chain
+    assert passes["merged"] < passes["tree"], passes  # lookup's copies are taken where the head's guesses are not
+
+
+def test_suffix_and_medusa_trees_merge_too():
+    model = tiny_model("llama")
+    heads = medusa_heads(model, num_heads=3)
+    spec = SelfSpeculative(model, drafter=[SuffixDrafter(num_speculative_tokens=5, tree_nodes=4), "heads"],
+                           heads=heads, tree=[[0], [1], [0, 0], [0, 0, 0]])  # fmt: skip
+    assert repr(spec.drafters) == "Drafters('suffix + medusa tree')"
+    for seed in (5, 5, 6):  # the second call drafts from the first's answer too
+        prompt = repetitive_prompt(seed)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), seed
+    assert spec.stats.accepted > 0
+
+
+def test_a_merged_tree_samples_as_the_target(sampling_model):  # noqa: F811
+    heads = eagle_heads(sampling_model, seed=2)
+    spec = SelfSpeculative(sampling_model, drafter="hybrid", heads=heads, prompt_lookup_num_tokens=2,
+                           tree={"nodes": 3, "top_k": 2, "depth": 2})  # fmt: skip
+    assert spec.drafter.tree.max_depth == 2  # so that the sampled calls verify trees, not the chains of a call's end
+    counts = sampled_counts(spec, temperature=0.8)
+    assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) > 1e-3
+
+
+def test_merged_trees_refuse_what_they_cannot_verify():
+    model = tiny_model("llama")
+    heads = eagle_heads(model)
+    with pytest.raises(ValueError, match="exit 2 runs the target's layers its own way"):
+        SelfSpeculative(model, drafter=["heads", SuffixDrafter(tree_nodes=4)], exit_layer=2)
+    with pytest.raises(ValueError, match="one of them a tree drafter"):
+        MergedTreeDrafter([NGramDrafter(), SuffixDrafter()])
+    with pytest.raises(ValueError, match="compile=True verifies chains; ngram \\+ eagle drafts a tree"):
+        SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE, compile=True)
+    spec = SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE)
+    prompts = torch.cat([random_prompt(8, seed=1), random_prompt(8, seed=2)])
+    with pytest.raises(Exception, match="Tree verification runs one prompt at a time"):
+        spec.generate(prompts, max_new_tokens=4, do_sample=False)
