@@ -147,3 +147,28 @@ def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, ca
         main([*args, "--heads", str(tmp_path / "eagle"), "--chains", "0"])
     with pytest.raises(SystemExit, match="--chains needs EAGLE heads"):
         main([*args, "--chains", "2"])
+
+
+def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path, capsys):
+    from selfspec.heads import EagleHeads
+    from selfspec.training.config import HeadsConfig
+
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    torch.manual_seed(0)
+    EagleHeads.from_config(HeadsConfig(kind="eagle"), ModelAdapter(model)).save_pretrained(tmp_path / "eagle")
+    args = ["bench", "--model", str(tmp_path / "model"), "--prompts", str(write_questions(tmp_path / "q.jsonl"))]
+    args += ["--limit_per_category", "1", "--max_new_tokens", "8", "--repeats", "1", "--no_transformers"]
+    args += ["--no_sampling", "--output", str(tmp_path / "out"), "--only", "merged", "--heads", str(tmp_path / "eagle")]
+    assert main([*args, "--merged_trees", "2-2-1/3, 3-1-3/2"]) == 0
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["results"]
+    merged = {row["contender"]: row for row in rows if "merged" in row["contender"]}
+    assert set(merged) == {"selfspec merged ngram 3 + eagle tree 2-2-1", "selfspec merged ngram 2 + eagle tree 3-1-3"}
+    assert all(row["matched"] is True and row["tokens_per_pass"] >= 1.0 for row in merged.values())
+    errors = {"2-2/3": "NODES-TOP_K-DEPTH/LOOKUP_TOKENS", "2-0-1/3": "must be 1 or more", ",": "got ','"}
+    for bad, message in errors.items():
+        with pytest.raises(SystemExit, match=message):
+            main([*args, "--merged_trees", bad])
+    with pytest.raises(SystemExit, match="--merged_trees needs EAGLE heads"):
+        main([*args[:-2], "--merged_trees", "2-2-1/3"])

@@ -134,6 +134,11 @@ def add_bench_parser(commands) -> None:
         "controller off): tokens per pass and acceptance by position, which do not depend on the machine",
     )
     bench.add_argument(
+        "--merged_trees",
+        help="also run n-gram lookup merged into the EAGLE head's dynamic trees of these shapes, "
+        "NODES-TOP_K-DEPTH/LOOKUP_TOKENS, comma-separated, e.g. 2-2-1/6,6-2-4/10 (one verify pass per tree)",
+    )
+    bench.add_argument(
         "--suffix_memory",
         help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
         "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "

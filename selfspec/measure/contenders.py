@@ -246,6 +246,19 @@ def chain_contenders(model, heads: EagleHeads, draft_vocab, lengths: list[int]) 
     ]
 
 
+def merged_contenders(model, heads: EagleHeads, draft_vocab, shapes: list[tuple[dict, int]]) -> list[Contender]:
+    """n-gram lookup merged into an EAGLE head's dynamic trees (`selfspec.drafters.merged`): one contender per
+    (tree shape, lookup chain length), greedy."""
+    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    field_ = []
+    for tree, lookup in shapes:
+        shape = f"{tree['nodes']}-{tree['top_k']}-{tree['depth']}"
+        field_.append(selfspec_contender(model, f"selfspec merged ngram {lookup} + eagle tree {shape}{suffix}", False,
+                                         1.0, drafter="hybrid", heads=heads, draft_vocab=draft_vocab, tree=tree,
+                                         prompt_lookup_num_tokens=lookup))  # fmt: skip
+    return field_
+
+
 def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads | None, draft_vocab) -> list[Contender]:
     """Suffix drafting that remembers `answers` (token ids: `selfspec.chat.chat_answers` of a chat data set) before
     the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too."""
