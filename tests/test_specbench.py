@@ -120,7 +120,9 @@ def test_bench_command_reads_spec_bench_questions(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]["prompts"] == 3
 
 
-def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, capsys):
+def eagle_bench_args(tmp_path) -> list[str]:
+    """`selfspec bench` arguments for a saved tiny Llama, an untrained EAGLE head for it (`--heads` left to the test)
+    and three Spec-Bench questions, greedy, 8 new tokens."""
     from selfspec.heads import EagleHeads
     from selfspec.training.config import HeadsConfig
 
@@ -131,7 +133,11 @@ def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, ca
     EagleHeads.from_config(HeadsConfig(kind="eagle"), ModelAdapter(model)).save_pretrained(tmp_path / "eagle")
     args = ["bench", "--model", str(tmp_path / "model"), "--prompts", str(write_questions(tmp_path / "q.jsonl"))]
     args += ["--limit_per_category", "1", "--max_new_tokens", "8", "--repeats", "1", "--no_transformers"]
-    args += ["--no_sampling", "--output", str(tmp_path / "out"), "--only", "chain"]
+    return [*args, "--no_sampling", "--output", str(tmp_path / "out")]
+
+
+def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, capsys):
+    args = [*eagle_bench_args(tmp_path), "--only", "chain"]
     assert main([*args, "--heads", str(tmp_path / "eagle"), "--chains", "1,3"]) == 0
     out = capsys.readouterr().out
     table = out.split("### acceptance by draft position")[1]
@@ -149,18 +155,8 @@ def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, ca
         main([*args, "--chains", "2"])
 
 
-def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path, capsys):
-    from selfspec.heads import EagleHeads
-    from selfspec.training.config import HeadsConfig
-
-    model = tiny_model("llama", num_layers=4)
-    model.save_pretrained(tmp_path / "model")
-    tiny_tokenizer().save_pretrained(tmp_path / "model")
-    torch.manual_seed(0)
-    EagleHeads.from_config(HeadsConfig(kind="eagle"), ModelAdapter(model)).save_pretrained(tmp_path / "eagle")
-    args = ["bench", "--model", str(tmp_path / "model"), "--prompts", str(write_questions(tmp_path / "q.jsonl"))]
-    args += ["--limit_per_category", "1", "--max_new_tokens", "8", "--repeats", "1", "--no_transformers"]
-    args += ["--no_sampling", "--output", str(tmp_path / "out"), "--only", "merged", "--heads", str(tmp_path / "eagle")]
+def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path):
+    args = [*eagle_bench_args(tmp_path), "--only", "merged", "--heads", str(tmp_path / "eagle")]
     assert main([*args, "--merged_trees", "2-2-1/3, 3-1-3/2"]) == 0
     rows = json.loads((tmp_path / "out" / "bench.json").read_text())["results"]
     merged = {row["contender"]: row for row in rows if "merged" in row["contender"]}
