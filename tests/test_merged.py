@@ -93,3 +93,21 @@ def test_merged_trees_refuse_what_they_cannot_verify():
     prompts = torch.cat([random_prompt(8, seed=1), random_prompt(8, seed=2)])
     with pytest.raises(Exception, match="Tree verification runs one prompt at a time"):
         spec.generate(prompts, max_new_tokens=4, do_sample=False)
+
+
+def test_suffix_memory_merged_into_an_eagle_tree_drafts_remembered_answers():
+    """The bench's memory contenders: suffix drafting that remembers earlier answers, before the head by turns and
+    merged into its tree; both exact, and the merged tree takes the remembered answer."""
+    from selfspec.measure.contenders import memory_contenders
+
+    model = tiny_model("llama")
+    prompt = random_prompt(10, seed=7)
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    answer = expected[0, prompt.shape[1] :].tolist()
+    contenders = memory_contenders(model, [answer], eagle_heads(model), None)
+    assert [c.name for c in contenders] == ["selfspec suffix, memory 24 tokens",
+                                            "selfspec hybrid suffix, memory 24 tokens + eagle",
+                                            "selfspec merged suffix, memory 24 tokens + eagle tree"]  # fmt: skip
+    merged = contenders[-1]
+    assert torch.equal(merged.run(prompt, 24), expected)
+    assert merged.spec.stats.accepted >= 12, merged.spec.stats  # most of the answer came from memory

@@ -261,7 +261,8 @@ def merged_contenders(model, heads: EagleHeads, draft_vocab, shapes: list[tuple[
 
 def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads | None, draft_vocab) -> list[Contender]:
     """Suffix drafting that remembers `answers` (token ids: `selfspec.chat.chat_answers` of a chat data set) before
-    the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too."""
+    the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too, by
+    turns and merged into the head's tree."""
     tokens = sum(map(len, answers))
     label = f"memory {tokens:,} tokens"
 
@@ -277,4 +278,7 @@ def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads |
         field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
                                          drafter=[remembering(), "heads"], heads=eagle_heads,
                                          draft_vocab=draft_vocab))  # fmt: skip
+        field_.append(selfspec_contender(model, f"selfspec merged suffix, {label} + eagle tree{vocab}", False, 1.0,
+                                         drafter=[remembering(), "heads"], heads=eagle_heads, draft_vocab=draft_vocab,
+                                         tree=EAGLE_TREE))  # fmt: skip
     return field_
