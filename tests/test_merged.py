@@ -12,8 +12,9 @@ from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import random_prompt, tiny_model
 
-from selfspec import NGramDrafter, SelfSpeculative, SuffixDrafter
+from selfspec import Draft, NGramDrafter, SelfSpeculative, SuffixDrafter
 from selfspec.drafters.merged import MergedTreeDrafter, merge_paths, token_paths
+from selfspec.engine.drafter import DrafterContractError
 from selfspec.engine.tree import CandidateTree
 
 EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 3}
@@ -111,3 +112,37 @@ def test_suffix_memory_merged_into_an_eagle_tree_drafts_remembered_answers():
     merged = contenders[-1]
     assert torch.equal(merged.run(prompt, 24), expected)
     assert merged.spec.stats.accepted >= 12, merged.spec.stats  # most of the answer came from memory
+
+
+class Recording(NGramDrafter):
+    """n-gram lookup that records `own` at every verdict, and can be told to have no proposal or to over-draft."""
+
+    def __init__(self, ready: bool = True, extra: int = 0):
+        super().__init__(prompt_lookup_num_tokens=3)
+        self.ready, self.extra, self.owns = ready, extra, []
+
+    def available(self, state):
+        return super().available(state) and self.ready
+
+    def draft(self, state, gamma, process, do_sample):
+        draft = super().draft(state, gamma, process, do_sample)
+        return Draft.point_mass(torch.cat([draft.tokens] + [draft.tokens[:, -1:]] * self.extra, dim=1))
+
+    def accept(self, verified):
+        self.owns.append(verified.own)
+
+
+def test_parts_hear_own_only_where_they_drafted_and_may_not_draft_deeper():
+    model = tiny_model("llama")
+    heads = eagle_heads(model)
+    prompt = repetitive_prompt(3)
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    idle, busy = Recording(ready=False), Recording()
+    for part in (idle, busy):
+        spec = SelfSpeculative(model, drafter=[part, "heads"], heads=heads, tree=EAGLE_TREE)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=20, do_sample=False), expected)
+    assert idle.owns and not any(idle.owns)  # never had a proposal: never told the draft was its own
+    assert any(busy.owns)
+    spec = SelfSpeculative(model, drafter=[Recording(extra=2), "heads"], heads=heads, tree=EAGLE_TREE)
+    with pytest.raises(DrafterContractError, match="ngram drafted 5 deep in a merged tree; it may draft 3"):
+        spec.generate(prompt, max_new_tokens=20, do_sample=False)

@@ -12,7 +12,7 @@ greedily, from their raw scores), never from the verdict, and the tree rule is e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,11 +64,11 @@ class MergedTreeDrafter(Drafter):
             `default_drafts` tokens. Parts that run the target's layers themselves (early exit) are refused:
             the merged tree is verified by one ordinary pass.
 
-    Near the end of a call, where the deepest candidate would not fit, the loop drafts chains: then the first
-    part with a proposal drafts alone.
+    The tree is as deep as its deepest part: a chain part's whole chain (n-gram lookup: `prompt_lookup_num_tokens`)
+    counts. Near the end of a call, where the deepest candidate would not fit (the last 10 tokens with lookup's
+    default, so every token of a call of 10 or fewer), the loop drafts chains: then the first part with a proposal
+    drafts alone. `accept` tells each part `own` only where it drafted.
     """
-
-    check_drafts = False
 
     def __init__(self, parts: list[Drafter]):
         super().__init__()
@@ -84,11 +84,13 @@ class MergedTreeDrafter(Drafter):
                     "ordinary pass of the target verifies. Merge n-gram lookup, suffix drafting, Medusa or EAGLE heads."
                 )
         self.parts = tuple(parts)
+        self.check_drafts = any(part.check_drafts for part in parts)  # the loop checks the chains near a call's end
         self.tree = MergedShape(max(self._depth(part) for part in parts))
         self.hidden_layers = tuple(dict.fromkeys(layer for part in parts for layer in part.hidden_layers))
         self.max_drafts = max(part.max_drafts for part in parts)
         self.default_drafts = max(part.default_drafts for part in parts)
         self._ready: list[bool] | None = None  # from `available`: which parts propose this iteration
+        self._drafted: list[bool] = [False] * len(parts)  # which parts drafted the iteration being verified
 
     @staticmethod
     def _depth(part: Drafter) -> int:
@@ -113,24 +115,32 @@ class MergedTreeDrafter(Drafter):
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         """A chain (the loop asks for one where the tree's depth does not fit): the first ready part's."""
         ready = self._take_ready(state)
-        part = next((part for part, ok in zip(self.parts, ready, strict=True) if ok), None)
-        if part is None:
+        index = next((index for index, ok in enumerate(ready) if ok), None)
+        self._drafted = [i == index for i in range(len(self.parts))]
+        if index is None:
             return Draft.empty(state.batch_size, state.sequences.device)
+        part = self.parts[index]
         return part.draft(state, min(gamma, part.max_drafts), process, do_sample)
 
     def draft_tree(self, state: DecodeState):
         """(the merged tree, node tokens [1, N], None: the candidates are chosen deterministically, so the alpha tally
         reads them as point masses)."""
         paths = []
-        for part, ok in zip(self.parts, self._take_ready(state), strict=True):
+        self._drafted = self._take_ready(state)
+        for part, ok in zip(self.parts, self._drafted, strict=True):
             if not ok:
                 continue
             if part.tree is not None:
                 tree, node_tokens, _ = part.draft_tree(state)
                 paths.append(token_paths(tree, node_tokens[0].tolist()))
+                deepest = max(map(len, paths[-1]), default=0)
             else:
                 chain = part.draft(state, self._depth(part), unprocessed, False).tokens[0].tolist()
                 paths.append([tuple(chain[: i + 1]) for i in range(len(chain))])
+                deepest = len(chain)
+            if deepest > self._depth(part):  # the loop left room for this depth only
+                raise DrafterContractError(f"{part.name} drafted {deepest} deep in a merged tree; it may draft "
+                                           f"{self._depth(part)}.")  # fmt: skip
         if not any(paths):
             raise DrafterContractError(f"{self.name}: every part said it had a proposal, and none proposed a token.")
         tree, tokens = merge_paths(paths)
@@ -143,9 +153,11 @@ class MergedTreeDrafter(Drafter):
             part.begin(state, hidden)
 
     def accept(self, verified: Verified) -> None:
+        """Every part learns the verdict; `path` and `last` index the merged tree's nodes (or the chain's positions)."""
         self._ready = None
-        for part in self.parts:
-            part.accept(verified)
+        for part, drafted in zip(self.parts, self._drafted, strict=True):
+            part.accept(replace(verified, own=verified.own and drafted))
+        self._drafted = [False] * len(self.parts)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for part in self.parts:
