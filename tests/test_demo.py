@@ -120,23 +120,25 @@ def smollm2_stand_in(monkeypatch):
 
 
 def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in, monkeypatch, capsys):
-    verdicts = iter([True, True, TIE, True] * 2)  # per prompt: model.generate itself, eagle, ngram, hybrid
+    verdicts = iter(
+        [True, True, TIE, True, True] * 2
+    )  # per prompt: model.generate itself, eagle, ngram, hybrid, merged
     monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
     assert main(["demo", "--max_new_tokens", "6"]) == 0
     assert smollm2_stand_in == {"model": "smollm2-135m-instruct", "dtype": "bfloat16"}
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct: 2 prompts, 6 new tokens each, greedy, bfloat16" in out
     rows = re.findall(r"^\| (model\.generate|selfspec [^|]*?) \|", out, flags=re.MULTILINE)
-    assert rows == ["model.generate", "selfspec eagle, vocab 48", "selfspec ngram",
-                    "selfspec hybrid ngram + eagle, vocab 48"]  # fmt: skip
+    assert rows == ["model.generate", "selfspec eagle, vocab 48", "selfspec ngram", "selfspec hybrid ngram + eagle, "
+                    "vocab 48", "selfspec merged ngram 6 + eagle tree 2-2-1, vocab 48"]  # fmt: skip
     assert "| selfspec ngram | " in out and "| tie (2) |" in out and "tie (n): the same tokens up to a tie" in out
     assert "  selfspec ngram: 0 of 2 prompts identical, 2 left it at a tie" in out
-    assert "up to ties: yes: 4 of 6 outputs identical, 2 left it at a tie, none anywhere else." in out
+    assert "up to ties: yes: 6 of 8 outputs identical, 2 left it at a tie, none anywhere else." in out
     assert "alpha per exit depth" not in out  # no exit heads
 
 
 def test_a_divergence_off_a_tie_fails_the_demo(smollm2_stand_in, monkeypatch, capsys):
-    verdicts = iter([True, True, False, TIE] + [True] * 4)  # per prompt: model.generate itself, eagle, ngram, hybrid
+    verdicts = iter([True, True, False, TIE, True] + [True] * 5)  # model.generate itself, eagle, ngram, hybrid, merged
     monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
     assert main(["demo", "--max_new_tokens", "6"]) == 1
     captured = capsys.readouterr()

@@ -168,3 +168,33 @@ def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path):
             main([*args, "--merged_trees", bad])
     with pytest.raises(SystemExit, match="--merged_trees needs EAGLE heads"):
         main([*args[:-2], "--merged_trees", "2-2-1/3"])
+
+
+def test_bench_samples_the_merged_and_hybrid_trees_against_sampled_generate(tmp_path):
+    args = [a for a in eagle_bench_args(tmp_path) if a != "--no_sampling"]
+    args += ["--only", "T=", "--temperature", "0.7", "--heads", str(tmp_path / "eagle"), "--merged_trees", "2-2-1/3"]
+    assert main(args) == 0
+    rows = {row["contender"]: row for row in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
+    sampled = {"selfspec merged ngram 3 + eagle tree 2-2-1 T=0.7", "selfspec hybrid ngram + eagle tree T=0.7"}
+    assert sampled <= set(rows) and "selfspec merged ngram 3 + eagle tree 2-2-1" not in rows  # --only T=
+    assert all(rows[name]["sampling"] is True and rows[name]["tokens_per_pass"] >= 1.0 for name in sampled)
+    base = rows["generate T=0.7"]["tokens_per_s"]
+    for name in sampled:  # against sampled generate, not greedy
+        assert rows[name]["speedup"] == pytest.approx(rows[name]["tokens_per_s"] / base)
+
+
+def test_loop_profile_times_the_eagle_tree_and_the_merged_tree_section_by_section(tmp_path, capsys):
+    from selfspec.cli import loop_profile
+
+    args = eagle_bench_args(tmp_path)
+    model_args = args[1:5] + ["--heads", str(tmp_path / "eagle")]  # --model and --prompts
+    argv = [*model_args, "--modes", "plain,eagle_tree,merged", "--merged_tree", "2-2-1/3", "--num_prompts", "2"]
+    assert loop_profile.main([*argv, "--repeats", "1", "--max_new_tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "| section (us per iteration) | plain | eagle_tree | merged |" in out
+    timed = next(line for line in out.splitlines() if line.startswith("| iterations timed |"))
+    assert all(int(cell) > 0 for cell in timed.strip("|").split("|")[1:])
+    options = loop_profile.mode_options(None, "merged", {"eagle": "heads"}, 3, ({"nodes": 2}, 3))
+    assert options == {"drafter": "hybrid", "heads": "heads", "tree": {"nodes": 2}, "prompt_lookup_num_tokens": 3}
+    with pytest.raises(SystemExit, match="--merged_tree takes NODES-TOP_K-DEPTH"):
+        loop_profile.main([*argv[:-4], "--merged_tree", "2-2"])

@@ -35,9 +35,9 @@ from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, check_plotting, encode, load_target
 
 
-def merged_shapes(text: str) -> list[tuple[dict, int]]:
-    """--merged_trees: [(the EAGLE tree, lookup's chain length)] from NODES-TOP_K-DEPTH/LOOKUP, comma-separated."""
-    usage = "--merged_trees takes NODES-TOP_K-DEPTH/LOOKUP_TOKENS such as 2-2-1/6, comma-separated"
+def merged_shapes(text: str, option: str = "--merged_trees") -> list[tuple[dict, int]]:
+    """`option`: [(the EAGLE tree, lookup's chain length)] from NODES-TOP_K-DEPTH/LOOKUP, comma-separated."""
+    usage = f"{option} takes NODES-TOP_K-DEPTH/LOOKUP_TOKENS such as 2-2-1/6, comma-separated"
     shapes = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         try:
@@ -46,7 +46,7 @@ def merged_shapes(text: str) -> list[tuple[dict, int]]:
         except ValueError:
             raise SystemExit(f"{usage}; got {item!r}") from None
         if min(nodes, top_k, depth, lookup) < 1:
-            raise SystemExit(f"--merged_trees: every number of {item!r} must be 1 or more")
+            raise SystemExit(f"{option}: every number of {item!r} must be 1 or more")
         shapes.append(({"nodes": nodes, "top_k": top_k, "depth": depth}, lookup))
     if not shapes:
         raise SystemExit(f"{usage}; got {text!r}")
@@ -104,7 +104,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.merged_trees:
         if heads.get(EagleHeads) is None:
             raise SystemExit("--merged_trees needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
-        contenders += merged_contenders(model, heads.get(EagleHeads), vocab, merged_shapes(args.merged_trees))
+        contenders += merged_contenders(
+            model,
+            heads.get(EagleHeads),
+            vocab,
+            merged_shapes(args.merged_trees),
+            temperature=None if args.no_sampling else args.temperature,
+        )
     if args.suffix_memory:
         contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
     if args.only:

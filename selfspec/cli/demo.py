@@ -3,11 +3,11 @@
 The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-instruct`, the `[smollm2]` extra)
 in bfloat16 where the machine multiplies it natively and in float32 elsewhere (`selfspec.cli.options.default_dtype`):
 plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the draft
-vocabulary, n-gram lookup, and their hybrid). It prints the completions and tokens/s, speedup and tokens per
-target pass, and checks the greedy outputs against `model.generate`'s: in bfloat16 up to ties of its top-2 scores
-(`selfspec.measure.ties`), in float32 token for token. `--model demo` runs the bundled toy target instead
-(heads/demo-target, trained by this project) on held-out code prompts, with every kind of its heads and alpha per
-exit depth (also as a PNG).
+vocabulary, n-gram lookup, their hybrid, and lookup merged into the head's tree). It prints the completions and
+tokens/s, speedup and tokens per target pass, and checks the greedy outputs against `model.generate`'s: in
+bfloat16 up to ties of its top-2 scores (`selfspec.measure.ties`), in float32 token for token. `--model demo` runs
+the bundled toy target instead (heads/demo-target, trained by this project) on held-out code prompts, with every
+kind of its heads and alpha per exit depth (also as a PNG).
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ import torch
 
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..measure.bench import COLUMNS, markdown_table, run_bench
-from ..measure.contenders import Contender, eagle_contenders, generate_contender, selfspec_contender, tree_for
+from ..measure.contenders import (
+    MERGED_TREE,
+    Contender,
+    eagle_contenders,
+    generate_contender,
+    merged_contenders,
+    selfspec_contender,
+    tree_for,
+)
 from ..measure.ties import TIE, TIE_STEPS
 from ..targets import DEMO_TARGET
 from .options import (
@@ -75,7 +83,8 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None, best_only: bool
 
 def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
     """model.generate, then the chain of each kind of heads loaded (the trained exit at its tuned depth, the Medusa
-    chain, the EAGLE chain) with the draft vocabulary `vocab`, n-gram lookup, and its hybrid with each kind."""
+    chain, the EAGLE chain) with the draft vocabulary `vocab`, n-gram lookup, its hybrid with each kind, and with
+    an EAGLE head, lookup merged into the head's tree (`MERGED_TREE`)."""
     chains = []
     if ExitHeads in heads:
         layer = heads[ExitHeads].default_exit_layer
@@ -91,6 +100,8 @@ def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
     contenders.append(selfspec_contender(model, "selfspec ngram", False, 1.0, drafter="ngram"))
     contenders += [selfspec_contender(model, f"selfspec hybrid ngram + {name}{suffix}", False, 1.0, drafter="hybrid",
                                       draft_vocab=vocab, **options) for name, options in chains]  # fmt: skip
+    if EagleHeads in heads:
+        contenders += merged_contenders(model, heads[EagleHeads], vocab, [MERGED_TREE])
     return contenders
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from ..measure.contenders import EAGLE_TREE
+from .commands import merged_shapes
 from .options import encode, load_target
 from .parsers import HelpFormatter, add_model_arguments
 
@@ -66,6 +68,7 @@ WRAPPED = [
     ("GenerationStats", "record_iteration", "stats"),
     ("DraftController", "update", "stats"),
 ]
+MODES = ("plain", "medusa", "exit", "tree", "ngram", "eagle", "eagle_tree", "merged")
 COMPILED_MODES = ("plain", "medusa", "ngram", "eagle")  # the modes compile=True runs (chains through full passes)
 DRAFTER_METHODS = {"draft": "draft", "draft_tree": "draft", "verify": "verify forward", "verify_tree": "verify forward"}
 
@@ -163,8 +166,9 @@ def contenders(package):
     raise ModuleNotFoundError(f"{package.__name__} has no module of benchmark contenders")
 
 
-def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
-    """SelfSpeculative arguments of one mode, with `package`'s own heads objects."""
+def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict, int] = (EAGLE_TREE, 10)) -> dict:
+    """SelfSpeculative arguments of one mode, with `package`'s own heads objects; `merged`: the EAGLE tree and
+    lookup's chain length of the modes eagle_tree (the tree) and merged (both, one merged tree)."""
     chain = {"num_draft_tokens": gamma, "adaptive": False}
     if mode == "plain":
         return {"num_draft_tokens": 0}
@@ -178,7 +182,11 @@ def mode_options(package, mode: str, heads: dict, gamma: int) -> dict:
         return {"heads": heads["medusa"], "tree": contenders(package).tree_for(heads["medusa"])}
     if mode == "eagle":
         return {"heads": heads["eagle"], **chain}
-    raise SystemExit(f"unknown mode {mode!r}: plain, medusa, exit, tree, ngram or eagle")
+    if mode == "eagle_tree":
+        return {"heads": heads["eagle"], "tree": merged[0]}
+    if mode == "merged":
+        return {"drafter": "hybrid", "heads": heads["eagle"], "tree": merged[0], "prompt_lookup_num_tokens": merged[1]}
+    raise SystemExit(f"unknown mode {mode!r}: {', '.join(MODES)}")
 
 
 def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object]]:
@@ -190,7 +198,7 @@ def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object
         heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
         for mode in args.modes.split(","):
             label = mode if package.__name__ == "selfspec" else f"{mode} @{args.before}"
-            options = mode_options(package, mode, heads, args.gamma)
+            options = mode_options(package, mode, heads, args.gamma, args.merged_tree)
             runs.append((label, package, package.SelfSpeculative(model, **options)))
             if args.compile and package.__name__ == "selfspec" and mode in COMPILED_MODES:
                 runs.append((f"{mode} compiled", package, package.SelfSpeculative(model, compile=True, **options)))
@@ -295,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_model_arguments(parser, bundled=True)
     parser.set_defaults(max_new_tokens=64)
+    parser.add_argument("--modes", default="plain,medusa,exit,tree,ngram", help=", ".join(MODES))
     parser.add_argument(
-        "--modes", default="plain,medusa,exit,tree,ngram", help="plain, medusa, exit, tree, ngram, eagle"
+        "--merged_tree",
+        type=lambda text: merged_shapes(text, "--merged_tree")[0],
+        default="6-2-4/10",
+        help="NODES-TOP_K-DEPTH/LOOKUP_TOKENS: the EAGLE tree of eagle_tree and merged, and lookup's chain in merged",
     )
     parser.add_argument("--gamma", type=int, default=3, help="drafts per iteration of the chain modes")
     parser.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")

@@ -202,6 +202,8 @@ def standard_contenders(
 
 
 EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 4}  # a small dynamic tree: a CPU verifies few positions for free
+# lookup's chain of 6 and the head's two best first guesses in one tree: the fastest merged shape on SmolLM2's CPU runs
+MERGED_TREE = ({"nodes": 2, "top_k": 2, "depth": 1}, 6)
 
 
 def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
@@ -223,6 +225,9 @@ def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float |
     if temperature is not None:
         field_.append(selfspec_contender(model, f"selfspec eagle T={temperature}{suffix}", True, temperature,
                                          heads=heads, draft_vocab=draft_vocab))  # fmt: skip
+        field_.append(selfspec_contender(model, f"selfspec hybrid ngram + eagle tree T={temperature}{suffix}", True,
+                                         temperature, drafter="hybrid", heads=heads, draft_vocab=draft_vocab,
+                                         tree=EAGLE_TREE, **lookup))  # fmt: skip
     return field_
 
 
@@ -246,16 +251,20 @@ def chain_contenders(model, heads: EagleHeads, draft_vocab, lengths: list[int]) 
     ]
 
 
-def merged_contenders(model, heads: EagleHeads, draft_vocab, shapes: list[tuple[dict, int]]) -> list[Contender]:
+def merged_contenders(
+    model, heads: EagleHeads, draft_vocab, shapes: list[tuple[dict, int]], temperature: float | None = None
+) -> list[Contender]:
     """n-gram lookup merged into an EAGLE head's dynamic trees (`selfspec.drafters.merged`): one contender per
-    (tree shape, lookup chain length), greedy."""
+    (tree shape, lookup chain length), greedy, and sampling at `temperature` too (None: greedy only)."""
     suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    modes = [(False, 1.0, "")] + ([(True, temperature, f" T={temperature}")] if temperature is not None else [])
     field_ = []
     for tree, lookup in shapes:
         shape = f"{tree['nodes']}-{tree['top_k']}-{tree['depth']}"
-        field_.append(selfspec_contender(model, f"selfspec merged ngram {lookup} + eagle tree {shape}{suffix}", False,
-                                         1.0, drafter="hybrid", heads=heads, draft_vocab=draft_vocab, tree=tree,
-                                         prompt_lookup_num_tokens=lookup))  # fmt: skip
+        for sampling, t, label in modes:
+            name = f"selfspec merged ngram {lookup} + eagle tree {shape}{label}{suffix}"
+            options = {"heads": heads, "draft_vocab": draft_vocab, "tree": tree, "prompt_lookup_num_tokens": lookup}
+            field_.append(selfspec_contender(model, name, sampling, t, drafter="hybrid", **options))
     return field_
 
 
