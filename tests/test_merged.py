@@ -146,3 +146,23 @@ def test_parts_hear_own_only_where_they_drafted_and_may_not_draft_deeper():
     spec = SelfSpeculative(model, drafter=[Recording(extra=2), "heads"], heads=heads, tree=EAGLE_TREE)
     with pytest.raises(DrafterContractError, match="ngram drafted 5 deep in a merged tree; it may draft 3"):
         spec.generate(prompt, max_new_tokens=20, do_sample=False)
+
+
+@pytest.mark.parametrize("kept", [[[0]], [[0, 1]], [[0, 2]], [[0, 3, 5]]])
+def test_keep_new_keeps_the_accepted_path_after_the_earlier_positions(kept):
+    """A tree's verify pass wrote 6 positions after 4 earlier ones; the accepted path's entries follow the earlier
+    ones in order, whether they moved (a later node) or stayed (the first nodes, cropped in place)."""
+    from transformers import DynamicCache
+
+    from selfspec.adapter import ModelAdapter
+
+    cache, full = DynamicCache(), []
+    for layer in range(2):
+        keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+        cache.update(keys.clone(), values.clone(), layer)
+        full.append((keys, values))
+    ModelAdapter.keep_new(cache, 6, torch.tensor(kept))
+    order = [*range(4), *(4 + k for k in kept[0])]
+    for layer, (keys, values) in zip(cache.layers, full, strict=True):
+        assert torch.equal(layer.keys, keys[:, :, order]) and torch.equal(layer.values, values[:, :, order])
+    assert cache.get_seq_length() == len(order)

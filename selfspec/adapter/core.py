@@ -208,6 +208,9 @@ class ModelAdapter:
         order, ascending: a tree's accepted path) right after the earlier positions, and drop the rest. Only the
         kept entries move: the earlier positions stay where they are (`rearrange` rebuilds whole layers)."""
         width = kept.shape[1]
+        if torch.equal(kept, torch.arange(width, device=kept.device).expand_as(kept)):  # the first ones: in place
+            cls.crop(cache, num_new - width)
+            return
         for layer in cache.layers:
             new = layer.keys.shape[-2] - num_new
             index = kept[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
