@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
+from selfspec.engine import verify
 from selfspec.engine.generation import process_scores
 from selfspec.engine.tree import CandidateTree
-from selfspec.engine.verify import accept_greedy, accept_sampling, accept_tree, residual_distribution
+from selfspec.engine.verify import accept_greedy, accept_sampling, accept_tree, inverse_cdf, residual_distribution
 
 ATOL = 1e-5  # float32 arithmetic on probabilities; the rule itself is exact
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -111,8 +112,8 @@ def assert_sampler_input(distributions: torch.Tensor) -> None:
 
 
 class Recorder:
-    """Stands in for torch.rand (returns fixed u) and torch.multinomial (records what it is handed and
-    returns fixed choices, or 0)."""
+    """Stands in for torch.rand (returns fixed u) and the rule's sampler `verify.draw` (records the rows it is
+    handed, [rows, V], and returns fixed choices, or 0)."""
 
     def __init__(self, u: torch.Tensor | None = None, choices: torch.Tensor | None = None):
         self.u, self.choices, self.handed, self.rand_dtypes = u, choices, [], []
@@ -122,12 +123,11 @@ class Recorder:
         assert tuple(size) == tuple(self.u.shape)
         return self.u.to(dtype or torch.float32)
 
-    def multinomial(self, distributions, num_samples, replacement=False, generator=None):
-        assert num_samples == 1
-        self.handed.append(distributions.clone())
+    def draw(self, distributions, generator=None):
+        self.handed.append(distributions.reshape(-1, distributions.shape[-1]).clone())
         if self.choices is not None:
-            return self.choices.reshape(-1, 1).clone()
-        return torch.zeros(distributions.shape[0], 1, dtype=torch.long)
+            return self.choices.reshape(distributions.shape[:-1]).clone()
+        return torch.zeros(distributions.shape[:-1], dtype=torch.long)
 
 
 @contextmanager
@@ -136,7 +136,7 @@ def recorded(u: torch.Tensor | None = None, choices: torch.Tensor | None = None)
     with pytest.MonkeyPatch.context() as patch:
         if u is not None:
             patch.setattr(torch, "rand", recorder.rand)
-        patch.setattr(torch, "multinomial", recorder.multinomial)
+        patch.setattr(verify, "draw", recorder.draw)
         yield recorder
 
 
@@ -435,3 +435,27 @@ def test_tree_greedy_follows_the_argmax_path(case):
     assert verdict.last_node.tolist() == [node]
     assert verdict.num_accepted.tolist() == [len(path_nodes(tree, node))]
     assert verdict.next_token.tolist() == [best]
+
+
+# ------------------------------------------------------------------------------------------- sampler
+@settings(max_examples=100, **SETTINGS)
+@given(st.integers(2, 6).flatmap(probabilities))
+def test_inverse_cdf_draws_each_token_with_its_probability(p):
+    """On a fine grid of u the sampler picks each token for a share of u equal to its probability (to the grid's
+    resolution), never a token of probability 0, not even for the largest u below 1."""
+    grid = 4096
+    u = ((torch.arange(grid, dtype=torch.float64) + 0.5) / grid)[:, None]
+    chosen = inverse_cdf(p.expand(grid, -1), u)
+    shares = torch.bincount(chosen, minlength=p.shape[-1]).double() / grid
+    torch.testing.assert_close(shares, p.double(), atol=2.0 / grid, rtol=0)
+    edges = torch.tensor([[0.0], [torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0)).item()]])
+    assert bool((p[inverse_cdf(p.expand(2, -1), edges)] > 0).all())
+
+
+def test_draw_takes_any_leading_shape_and_follows_the_generator():
+    p = torch.tensor([[[0.0, 0.3, 0.7], [0.5, 0.0, 0.5]], [[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]]])  # need not sum to 1
+    first = verify.draw(p, torch.Generator().manual_seed(3))
+    assert first.shape == (2, 2) and first[1].tolist() == [0, 2]
+    assert torch.equal(first, verify.draw(p, torch.Generator().manual_seed(3)))
+    draws = verify.draw(p[0, :1].expand(20000, -1))
+    assert 0 not in draws.tolist() and abs((draws == 2).double().mean().item() - 0.7) < 0.02

@@ -5,7 +5,7 @@
 - logits with -inf (a processor that bans half the vocabulary, `bad_words_ids`, top_k=1, a tiny top_p,
   a very low temperature) in every mode and in a batch of 3: no banned token ever comes out, greedy
   output equals `model.generate`, and top_k=1 / tiny top_p sampling equals greedy decoding;
-- every distribution handed to `torch.multinomial` is finite, non-negative and not all zero;
+- every distribution handed to the sampler (`selfspec.engine.verify.draw`) is finite, non-negative and not all zero;
 - the same seed gives the same sampled output;
 - clear errors for prompts and arguments that cannot be honoured (what test_generate_contract.py and
   test_wrapper.py do not already cover).
@@ -93,18 +93,22 @@ def specs(model):
 
 @pytest.fixture
 def sampler(monkeypatch):
-    """Checks every distribution handed to torch.multinomial; returns the list of their shapes."""
-    real, shapes = torch.multinomial, []
+    """Checks every distribution handed to the sampler (the rule's draws and sampled drafts); returns the list of
+    their shapes."""
+    from selfspec.engine import drafter, verify
 
-    def checked(distributions, num_samples, replacement=False, *, generator=None, out=None):
+    real, shapes = verify.draw, []
+
+    def checked(distributions, generator=None):
         assert distributions.dtype == torch.float32, distributions.dtype
         assert bool(torch.isfinite(distributions).all()), "NaN or inf handed to the sampler"
         assert bool((distributions >= 0).all()), "negative probability handed to the sampler"
         assert bool((distributions.sum(dim=-1) > 0).all()), "all-zero distribution handed to the sampler"
         shapes.append(tuple(distributions.shape))
-        return real(distributions, num_samples, replacement, generator=generator)
+        return real(distributions, generator)
 
-    monkeypatch.setattr(torch, "multinomial", checked)
+    monkeypatch.setattr(verify, "draw", checked)
+    monkeypatch.setattr(drafter, "draw", checked)
     return shapes
 
 
@@ -196,14 +200,16 @@ def test_masked_logits_in_every_mode(model, mode, masking, sampler):
     assert torch.equal(spec.generate(prompt, do_sample=False, **common), greedy)
     check_stats(spec)
     assert spec.stats.accepted > 0  # drafts were kept: the accept path ran under the mask
+    accepted = 0
     for seed in (0, 1):
         out = seeded(spec, prompt, seed, do_sample=True, **common)
         check_stats(spec)
-        assert spec.stats.accepted > 0
+        accepted += spec.stats.accepted
         assert out.shape == (1, 8 + NEW_TOKENS)
         assert not banned & set(out[0, 8:].tolist()), "a banned token was generated"
         if sampling_is_greedy:  # one token left per position: sampling must reproduce greedy decoding
             assert torch.equal(out, greedy)
+    assert accepted > 0  # sampled drafts were kept under the mask too (a seed alone may keep none)
     if not sampling_is_greedy:
         assert not banned & set(greedy[0, 8:].tolist())
     assert len(sampler) > 0

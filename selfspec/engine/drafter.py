@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .state import DecodeState
+from .verify import draw
 
 MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
 
@@ -213,7 +214,7 @@ def target_pass(
 def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """A token per row from processed scores [batch, V]: sampled from softmax, or the argmax."""
     if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), 1).squeeze(1)
+        return draw(scores.softmax(dim=-1))
     return scores.argmax(dim=-1)
 
 
