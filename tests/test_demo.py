@@ -120,9 +120,7 @@ def smollm2_stand_in(monkeypatch):
 
 
 def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in, monkeypatch, capsys):
-    verdicts = iter(
-        [True, True, TIE, True, True] * 2
-    )  # per prompt: model.generate itself, eagle, ngram, hybrid, merged
+    verdicts = iter([True, True, TIE, True, True] * 2)  # per prompt: generate itself, eagle, ngram, hybrid, merged
     monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
     assert main(["demo", "--max_new_tokens", "6"]) == 0
     assert smollm2_stand_in == {"model": "smollm2-135m-instruct", "dtype": "bfloat16"}

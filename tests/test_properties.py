@@ -459,3 +459,6 @@ def test_draw_takes_any_leading_shape_and_follows_the_generator():
     assert torch.equal(first, verify.draw(p, torch.Generator().manual_seed(3)))
     draws = verify.draw(p[0, :1].expand(20000, -1))
     assert 0 not in draws.tolist() and abs((draws == 2).double().mean().item() - 0.7) < 0.02
+    for bad in ([0.0, 0.0], [float("nan"), 1.0], [-0.5, 1.5], [float("inf"), 1.0]):  # refused, as multinomial does
+        with pytest.raises(ValueError, match="negative somewhere, not finite, or all zero"):
+            verify.draw(torch.tensor([[0.5, 0.5], bad]))
