@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from ..measure.contenders import EAGLE_TREE
 from .commands import merged_shapes
 from .options import encode, load_target
 from .parsers import HelpFormatter, add_model_arguments
@@ -166,7 +165,7 @@ def contenders(package):
     raise ModuleNotFoundError(f"{package.__name__} has no module of benchmark contenders")
 
 
-def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict, int] = (EAGLE_TREE, 10)) -> dict:
+def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict, int]) -> dict:
     """SelfSpeculative arguments of one mode, with `package`'s own heads objects; `merged`: the EAGLE tree and
     lookup's chain length of the modes eagle_tree (the tree) and merged (both, one merged tree)."""
     chain = {"num_draft_tokens": gamma, "adaptive": False}

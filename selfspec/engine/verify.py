@@ -47,11 +47,17 @@ def draw(distributions: torch.Tensor, generator: torch.Generator | None = None) 
     of the cumulative distribution (see `inverse_cdf`): a float64 cumulative sum and a binary search, where
     torch.multinomial costs about 1 ms per 49,152-token row on a CPU, which a tree of 9 nodes pays 9 times."""
     rows = distributions.reshape(-1, distributions.shape[-1])
-    total = rows.sum(dim=-1)
-    if not bool((torch.isfinite(total) & (total > 0) & (rows.amin(dim=-1) >= 0)).all()):  # as torch.multinomial
+    if not bool(valid_rows(rows).all()):  # as torch.multinomial refuses them
         raise ValueError("draw: a row of the distributions is negative somewhere, not finite, or all zero.")
     u = torch.empty(rows.shape[0], 1, dtype=torch.float64, device=rows.device).uniform_(generator=generator)
     return inverse_cdf(rows, u).reshape(distributions.shape[:-1])
+
+
+def valid_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Which rows of `rows` [..., V] can be sampled from: non-negative, finite and not all zero -> [..., 1] bool. A
+    NaN or an infinity makes the row's total non-finite, so the total and the least entry tell."""
+    total = rows.sum(dim=-1, keepdim=True)
+    return torch.isfinite(total) & (total > 0) & (rows.amin(dim=-1, keepdim=True) >= 0)
 
 
 def inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -103,10 +109,8 @@ def tree_choices(p: torch.Tensor, do_sample: bool) -> torch.Tensor:
     if not do_sample:
         return p.argmax(dim=-1)
     # a node whose token the target rules out at its parent is never reached, and processors may leave
-    # its prefix no allowed token (NaN after softmax): any valid row will do there. A NaN or an infinity
-    # makes the row's total non-finite, so the total and the least entry tell which rows are valid.
-    total = p.sum(dim=-1, keepdim=True)
-    valid = torch.isfinite(total) & (total > 0) & (p.amin(dim=-1, keepdim=True) >= 0)
+    # its prefix no allowed token (NaN after softmax): any valid row will do there
+    valid = valid_rows(p)
     if not bool(valid.all()):  # rare: only then is p copied
         p = torch.where(valid, p, torch.ones_like(p))
     return draw(p)
