@@ -45,11 +45,13 @@ class SelfSpeculative(DecodingLoop):
             at a time.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
             down to plain decoding when drafting does not pay (see `selfspec.engine.adaptive`); with several drafters,
-            also which one drafts. Default: on when `num_draft_tokens` is not given. Chains only; output is
-            exact either way.
+            also which one drafts; with a tree drafter, whether an iteration verifies a tree or takes a plain step
+            (`selfspec.engine.adaptive.TreeController`). Default: on when `num_draft_tokens` is not given. Output
+            is exact either way.
         draft_cost: c, the cost of one draft token relative to one plain decoding step, for `adaptive`.
             Default: the drafter's estimate (from the weights each draft token reads). With several drafters
-            it applies to the last (the heads in a hybrid).
+            it applies to the last (the heads in a hybrid); with a tree drafter it is the cost of drafting one
+            tree (default: the drafter's `tree_cost()`, one draft token's per level).
         draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
             product reads only their rows (copied once), which lowers c when the vocabulary is a large share
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
@@ -138,7 +140,9 @@ class SelfSpeculative(DecodingLoop):
         self.drafters = build_drafters(self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram)
         self.hidden_layers = self._collect_hidden_layers()
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
-        self.draft_cost = self.drafters[-1].estimated_cost() if draft_cost is None else draft_cost
+        tree_drafter = self.drafters[0].tree is not None  # then it drafts alone
+        estimate = self.drafters[0].tree_cost() if tree_drafter else self.drafters[-1].estimated_cost()
+        self.draft_cost = estimate if draft_cost is None else draft_cost
         if not self.draft_cost >= 0:
             raise ValueError(f"draft_cost={draft_cost!r} must be a non-negative number (draft token / plain step).")
         max_drafts = max(part.max_drafts for part in self.drafters)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_medusa import FutureOracle, medusa_heads
+from test_medusa import TREE, FutureOracle, medusa_heads
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import SelfSpeculative
-from selfspec.engine.adaptive import DraftController, predicted_speedup
+from selfspec.engine.adaptive import DraftController, TreeController, predicted_speedup
 
 
 def test_predicted_speedup_is_the_design_equation():
@@ -51,17 +51,69 @@ def test_bad_draft_falls_back_to_plain_decoding_and_stays_exact():
     assert adaptive.stats.proposed < fixed.stats.proposed / 10
 
 
-def test_good_draft_drafts_the_most():
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_good_draft_drafts_the_most(tree):
+    """An ideal draft: a chain drafts its four tokens in most iterations, a tree is verified in every iteration it
+    fits in (all but the call's last few)."""
     model = tiny_model("qwen2")
     prompt = random_prompt(9, seed=2)
     expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
     oracle = FutureOracle(expected[0, 9:].tolist(), model.config.vocab_size, perfect=True)
     # a given position cost: one measured while the machine is loaded can make wide verify passes look dear
-    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), adaptive=True, position_cost=0.05)
+    heads = medusa_heads(model, num_heads=4)
+    spec = SelfSpeculative(model, heads=heads, tree=tree or [], adaptive=True, position_cost=0.05)
     spec.heads.logits = oracle.logits
     assert torch.equal(spec.generate(prompt, max_new_tokens=60, do_sample=False, streamer=oracle), expected)
     stats = spec.stats
-    assert stats.proposed_per_position[3] >= stats.iterations // 2  # four drafts in most iterations
+    if tree is None:
+        assert stats.proposed_per_position[3] >= stats.iterations // 2  # four drafts in most iterations
+    else:
+        assert stats.drafted_by["medusa tree"]["iterations"] >= stats.iterations - 4
+        assert stats.tokens_per_pass > 3
+
+
+def test_tree_controller_falls_back_probes_and_recovers():
+    """A tree of 10 candidates verified at v = 1.3 and drafted at c = 0.2 that keeps nothing costs 1.5 steps for
+    one token: plain steps soon, a probing tree after 8, 16, 32, then every 64 of them while probes fail."""
+    controller = TreeController(verify_costs=(1.0,) + (1.3,) * 10, draft_cost=0.2)
+    trees = []
+    for _ in range(300):
+        tree = controller.choose()
+        trees.append(tree)
+        if tree:
+            controller.update(10, 0)
+    first_plain = trees.index(False)
+    assert all(trees[:first_plain]) and 1 <= first_plain < 6
+    probes = [step for step in range(first_plain, 300) if trees[step]]
+    gaps = [b - a for a, b in zip([first_plain - 1, *probes], probes, strict=False)]
+    assert gaps[:5] == [8, 16, 32, 64, 64]
+    for _ in range(100):  # trees that keep 2 of their candidates from the next probe on: 3 tokens for 1.5 steps
+        if controller.choose():
+            controller.update(10, 2)
+    assert controller.speedup() == pytest.approx(2.0, rel=0.1) and all(controller.choose() for _ in range(5))
+    cheap = TreeController(verify_costs=(1.0, 1.0, 1.0), draft_cost=0.0)  # trees at no cost never lose
+    for _ in range(50):
+        assert cheap.choose()
+        cheap.update(2, 0)
+
+
+def test_bad_tree_falls_back_to_plain_decoding_and_stays_exact():
+    """Adaptive trees (the default): random Medusa heads' trees are rarely accepted, so after a few the loop takes
+    plain steps with a probing tree now and then; a fixed tree (adaptive=False) verifies one every iteration. Both
+    give generate's output."""
+    model = tiny_model("llama", num_layers=4)
+    prompt = random_prompt(10)
+    expected = model.generate(prompt, max_new_tokens=100, do_sample=False)
+    heads = medusa_heads(model, num_heads=4)
+    fixed = SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False)
+    adaptive = SelfSpeculative(model, heads=heads, tree=TREE, position_cost=0.1)  # v(10) = 2.0 here
+    assert adaptive.adaptive
+    for spec in (fixed, adaptive):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=100, do_sample=False), expected)
+    # a fixed tree: every iteration but the last few of the call, where the deepest candidate would not fit
+    assert fixed.stats.drafted_by["medusa tree"]["iterations"] >= fixed.stats.iterations - 4
+    assert fixed.stats.alpha_hat < 0.05  # a bad tree
+    assert adaptive.stats.drafted_by["medusa tree"]["iterations"] < fixed.stats.iterations / 5
 
 
 def test_adaptive_sampling_is_reproducible():

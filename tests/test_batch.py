@@ -68,7 +68,7 @@ def test_batch_with_processors_sees_each_row_as_generate_does():
 def test_batch_limits_are_explicit():
     model = tiny_model("llama")
     ids, mask = padded_prompts([3, 5])
-    tree_spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2), tree=[[0], [0, 0]])
+    tree_spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2), tree=[[0], [0, 0]], adaptive=False)
     with pytest.raises(UnsupportedGenerationArgument, match="one prompt at a time"):
         tree_spec.generate(ids, attention_mask=mask, max_new_tokens=5)
 

@@ -192,7 +192,9 @@ def test_drafter_argument_errors():
         SelfSpeculative(model, drafter="ngram", exit_layer=2)
     with pytest.raises(ValueError, match="configure your drafter itself"):
         SelfSpeculative(model, drafter=NGramDrafter(), draft_confidence=0.5)
-    merged = SelfSpeculative(model, drafter="hybrid", heads=medusa_heads(model), tree=[[0], [1]])  # tests/test_merged
+    merged = SelfSpeculative(
+        model, drafter="hybrid", heads=medusa_heads(model), tree=[[0], [1]], adaptive=False
+    )  # tests/test_merged
     assert repr(merged.drafters) == "Drafters('ngram + medusa tree')"
     with pytest.raises(ValueError, match="drafter='nope'"):
         SelfSpeculative(model, drafter="nope")

@@ -295,7 +295,7 @@ def test_dynamic_trees_are_exact_and_accept_more(trained):
         prompt = prompts[row : row + 1]
         expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
         for index, tree in enumerate(TREES):
-            spec = SelfSpeculative(model, heads=heads, tree=tree)
+            spec = SelfSpeculative(model, heads=heads, tree=tree, adaptive=False)
             assert torch.equal(spec.generate(prompt, max_new_tokens=24, do_sample=False), expected), (row, tree)
             passes[index] = passes.get(index, 0) + spec.stats.target_passes
     assert passes[1] < passes[2]  # a tree of 12 candidates needs fewer passes than a chain of one
@@ -307,14 +307,16 @@ def test_dynamic_trees_on_other_families(arch):
     model = tiny_model(arch)
     prompt = random_prompt(12, seed=4)
     expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
-    spec = SelfSpeculative(model, heads=eagle_heads(model), tree={"nodes": 8, "top_k": 3, "depth": 3})
+    spec = SelfSpeculative(model, heads=eagle_heads(model), tree={"nodes": 8, "top_k": 3, "depth": 3}, adaptive=False)
     assert torch.equal(spec.generate(prompt, max_new_tokens=20, do_sample=False), expected)
 
 
 def test_dynamic_tree_sampling_is_distributed_as_the_target():
     """Deterministic top-k candidates chosen by cumulative draft probability: the tree rule stays exact."""
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, num_layers=3, hidden=16, logit_scale=20.0)
-    spec = SelfSpeculative(model, heads=eagle_heads(model, seed=2), tree={"nodes": 3, "top_k": 2, "depth": 2})
+    spec = SelfSpeculative(
+        model, heads=eagle_heads(model, seed=2), tree={"nodes": 3, "top_k": 2, "depth": 2}, adaptive=False
+    )
     counts = sampled_counts(spec, temperature=0.8)
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
     assert PROMPT.shape[0] == 1

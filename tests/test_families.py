@@ -82,7 +82,7 @@ def test_medusa_chain_and_tree_match_generate(model):
     expected, chain = generate_pair(model, SelfSpeculative(model, heads=heads, num_draft_tokens=3), prompt)
     assert torch.equal(chain, expected), model.config.model_type
     oracle = FutureOracle(expected[0, prompt.shape[1] :].tolist(), model.config.vocab_size)
-    spec = SelfSpeculative(model, heads=heads, tree=TREE)
+    spec = SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False)
     spec.heads.logits = oracle.logits  # drafts that follow the reference, so deep paths and siblings happen
     assert torch.equal(spec.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=oracle), expected)
     assert spec.stats.accepted_per_position[2] > 0 and spec.stats.accepted < spec.stats.proposed

@@ -133,7 +133,7 @@ def test_tree_greedy_matches_generate(model):
         prompt = random_prompt(prompt_length, seed=prompt_length)
         expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
         oracle = FutureOracle(expected[0, prompt_length:].tolist(), model.config.vocab_size)
-        spec = SelfSpeculative(model, heads=heads, tree=TREE)
+        spec = SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False)
         spec.heads.logits = oracle.logits
         actual = spec.generate(prompt, max_new_tokens=40, do_sample=False, streamer=oracle)
         assert torch.equal(actual, expected), (model.config.model_type, prompt_length)
@@ -141,7 +141,9 @@ def test_tree_greedy_matches_generate(model):
         assert stats.new_tokens == stats.accepted + stats.target_passes
         assert stats.accepted_per_position[2] > 0 and stats.accepted < stats.proposed  # deep paths and rejections
     # real (random) heads on the same tree: also exact
-    actual = SelfSpeculative(model, heads=heads, tree=TREE).generate(prompt, max_new_tokens=40, do_sample=False)
+    actual = SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False).generate(
+        prompt, max_new_tokens=40, do_sample=False
+    )
     assert torch.equal(actual, expected)
 
 
@@ -153,7 +155,7 @@ def test_tree_with_left_padding_and_processors():
     kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
     expected = model.generate(prompt, **kwargs)
     oracle = FutureOracle(expected[0, 15:].tolist(), model.config.vocab_size)
-    spec = SelfSpeculative(model, heads=heads, tree=TREE)
+    spec = SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False)
     spec.heads.logits = oracle.logits
     assert torch.equal(spec.generate(prompt, streamer=oracle, **kwargs), expected)
 

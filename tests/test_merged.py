@@ -51,7 +51,7 @@ def test_lookup_merged_into_an_eagle_tree_matches_generate_and_saves_passes(arch
         prompt = repetitive_prompt(seed)
         expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
         for name, options in (("tree", {}), ("merged", {"drafter": "hybrid", "prompt_lookup_num_tokens": 6})):
-            spec = SelfSpeculative(model, heads=heads, tree=EAGLE_TREE, **options)
+            spec = SelfSpeculative(model, heads=heads, tree=EAGLE_TREE, adaptive=False, **options)
             assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), (arch, name)
             passes[name] += spec.stats.target_passes
     assert repr(spec.drafters) == "Drafters('ngram + eagle')"
@@ -63,7 +63,7 @@ def test_suffix_and_medusa_trees_merge_too():
     model = tiny_model("llama")
     heads = medusa_heads(model, num_heads=3)
     spec = SelfSpeculative(model, drafter=[SuffixDrafter(num_speculative_tokens=5, tree_nodes=4), "heads"],
-                           heads=heads, tree=[[0], [1], [0, 0], [0, 0, 0]])  # fmt: skip
+                           heads=heads, tree=[[0], [1], [0, 0], [0, 0, 0]], adaptive=False)  # fmt: skip
     assert repr(spec.drafters) == "Drafters('suffix + medusa tree')"
     for seed in (5, 5, 6):  # the second call drafts from the first's answer too
         prompt = repetitive_prompt(seed)
@@ -75,7 +75,7 @@ def test_suffix_and_medusa_trees_merge_too():
 def test_a_merged_tree_samples_as_the_target(sampling_model):  # noqa: F811
     heads = eagle_heads(sampling_model, seed=2)
     spec = SelfSpeculative(sampling_model, drafter="hybrid", heads=heads, prompt_lookup_num_tokens=2,
-                           tree={"nodes": 3, "top_k": 2, "depth": 2})  # fmt: skip
+                           tree={"nodes": 3, "top_k": 2, "depth": 2}, adaptive=False)  # fmt: skip
     assert spec.drafter.tree.max_depth == 2  # so that the sampled calls verify trees, not the chains of a call's end
     counts = sampled_counts(spec, temperature=0.8)
     assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) > 1e-3
@@ -90,7 +90,7 @@ def test_merged_trees_refuse_what_they_cannot_verify():
         MergedTreeDrafter([NGramDrafter(), SuffixDrafter()])
     with pytest.raises(ValueError, match="compile=True verifies chains; ngram \\+ eagle drafts a tree"):
         SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE, compile=True)
-    spec = SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE)
+    spec = SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE, adaptive=False)
     prompts = torch.cat([random_prompt(8, seed=1), random_prompt(8, seed=2)])
     with pytest.raises(Exception, match="Tree verification runs one prompt at a time"):
         spec.generate(prompts, max_new_tokens=4, do_sample=False)
@@ -139,11 +139,11 @@ def test_parts_hear_own_only_where_they_drafted_and_may_not_draft_deeper():
     expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
     idle, busy = Recording(ready=False), Recording()
     for part in (idle, busy):
-        spec = SelfSpeculative(model, drafter=[part, "heads"], heads=heads, tree=EAGLE_TREE)
+        spec = SelfSpeculative(model, drafter=[part, "heads"], heads=heads, tree=EAGLE_TREE, adaptive=False)
         assert torch.equal(spec.generate(prompt, max_new_tokens=20, do_sample=False), expected)
     assert idle.owns and not any(idle.owns)  # never had a proposal: never told the draft was its own
     assert any(busy.owns)
-    spec = SelfSpeculative(model, drafter=[Recording(extra=2), "heads"], heads=heads, tree=EAGLE_TREE)
+    spec = SelfSpeculative(model, drafter=[Recording(extra=2), "heads"], heads=heads, tree=EAGLE_TREE, adaptive=False)
     with pytest.raises(DrafterContractError, match="ngram drafted 5 deep in a merged tree; it may draft 3"):
         spec.generate(prompt, max_new_tokens=20, do_sample=False)
 

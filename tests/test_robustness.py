@@ -37,7 +37,7 @@ def make_spec(model, mode: str, heads=None) -> SelfSpeculative:
     heads = heads if heads is not None else medusa_heads(model, num_heads=3)
     if mode == "medusa_chain":
         return SelfSpeculative(model, heads=heads, num_draft_tokens=3)
-    return SelfSpeculative(model, heads=heads, tree=TREE)
+    return SelfSpeculative(model, heads=heads, tree=TREE, adaptive=False)
 
 
 class Lookahead(BaseStreamer):

@@ -145,7 +145,7 @@ TREE = [[0], [1], [0, 0]]  # few candidates in a 4-token vocabulary, so rejectio
 
 def test_medusa_tree_sampling_is_distributed_as_the_target(model):
     """Tree verification with deterministic top-k candidates (the rule without replacement)."""
-    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2, scale=0.3), tree=TREE)
+    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2, scale=0.3), tree=TREE, adaptive=False)
     law = exact_law(model, temperature=0.8)
     pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.8), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
@@ -160,7 +160,7 @@ def test_a_lossy_tree_rule_fails_the_same_test(model, monkeypatch):
         )
 
     monkeypatch.setattr(verify, "tree_choices", sharpened)
-    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2, scale=0.3), tree=TREE)
+    spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2, scale=0.3), tree=TREE, adaptive=False)
     pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.8), exact_law(model, temperature=0.8))
     assert pvalue < 1e-6, f"the lossy rule went unnoticed (chi-square p = {pvalue:.2e})"
 

@@ -60,6 +60,10 @@ class DynamicTree:
     def max_depth(self) -> int:
         return self.depth
 
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
 
 class EagleDrafter(Drafter):
     """Drafts with an EAGLE head: reads the target's features at `heads.features`, one head step per token."""

@@ -23,9 +23,11 @@ from ..engine.tree import CandidateTree
 
 @dataclass(frozen=True)
 class MergedShape:
-    """The shape the loop reads off a merged tree: how deep its deepest candidate may be."""
+    """The shape the loop reads off a merged tree: how deep its deepest candidate may be, and how many candidates
+    it may have (every part's, before shared prefixes merge)."""
 
     max_depth: int
+    max_nodes: int
 
 
 def unprocessed(tokens: torch.Tensor, logits: torch.Tensor, offset: int) -> torch.Tensor:
@@ -85,7 +87,8 @@ class MergedTreeDrafter(Drafter):
                 )
         self.parts = tuple(parts)
         self.check_drafts = any(part.check_drafts for part in parts)  # the loop checks the chains near a call's end
-        self.tree = MergedShape(max(self._depth(part) for part in parts))
+        nodes = sum(part.tree.max_nodes if part.tree is not None else part.default_drafts for part in parts)
+        self.tree = MergedShape(max(self._depth(part) for part in parts), nodes)
         self.hidden_layers = tuple(dict.fromkeys(layer for part in parts for layer in part.hidden_layers))
         self.max_drafts = max(part.max_drafts for part in parts)
         self.default_drafts = max(part.default_drafts for part in parts)
@@ -102,6 +105,13 @@ class MergedTreeDrafter(Drafter):
 
     def estimated_cost(self) -> float:
         return sum(part.estimated_cost() for part in self.parts)
+
+    def tree_cost(self) -> float:
+        """Every part's drafting: a tree part's tree, a chain part's whole chain."""
+        return sum(
+            part.tree_cost() if part.tree is not None else part.estimated_cost() * part.default_drafts
+            for part in self.parts
+        )
 
     def available(self, state: DecodeState) -> bool:
         self._ready = [part.available(state) for part in self.parts]

@@ -207,6 +207,10 @@ class SuffixTree:
     def max_depth(self) -> int:
         return self.depth
 
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
 
 class SuffixDrafter(Drafter):
     """Suffix drafting (see the module docstring), with vLLM's names for the settings that mean the same there.

@@ -8,6 +8,9 @@ a running estimate of alpha from the acceptances it sees (recent iterations weig
 gamma with the largest predicted S, falls back to plain steps (gamma = 0) when no gamma beats 1, and
 probes with one draft now and then so that it notices when acceptance recovers.
 
+A tree drafter has no gamma to choose: `TreeController` weighs its trees as a whole, the tokens a tree yields
+against its verify pass over all its candidates and its drafting, and falls back to plain steps in the same way.
+
 Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible. The same
 equation, with measured alphas and costs (`expected_tokens`, `best_gamma`), predicts what trained heads will gain
 (`selfspec.heads`, `selfspec tune`, `selfspec profile`).
@@ -29,6 +32,12 @@ def position_cost_from(verify_cost: float, gamma: int, rows: int = 1) -> float:
 
 
 PositionCost = float | dict[int, float]  # one r for every batch size, or r measured per batch size (rows -> r)
+
+
+def modeled_verify_cost(position_cost: float, gamma: int, rows: int) -> float:
+    """v(gamma) for a batch of `rows` from r: with a pass costing t0 + r t0 N for N positions, a pass over
+    rows x (gamma + 1) positions against a plain step over `rows`: (1 + r rows (gamma+1)) / (1 + r rows)."""
+    return (1 + position_cost * rows * (gamma + 1)) / (1 + position_cost * rows)
 
 
 def check_position_cost(value) -> PositionCost:
@@ -88,6 +97,39 @@ def best_gamma(alpha: float, c: float, max_gamma: int, v: Callable[[int], float]
 
 
 @dataclass
+class Backoff:
+    """While drafting does not pay: plain steps, and a probe (one drafting iteration, to see whether acceptance
+    has recovered) after `every` of them; a probe that keeps nothing doubles the wait, up to `longest`."""
+
+    every: int = 8
+    longest: int = 64
+    _plain_steps: int = field(default=0, init=False)
+    _interval: int = field(default=0, init=False)
+    _probing: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        self._interval = self.every
+
+    def drafting(self) -> None:
+        """Drafting pays: a later fallback waits `every` plain steps before its first probe."""
+        self._plain_steps, self._interval, self._probing = 0, self.every, False
+
+    def probe_due(self) -> bool:
+        """Drafting does not pay: True when this iteration is a probe, False for a plain step."""
+        self._plain_steps += 1
+        self._probing = self._plain_steps >= self._interval
+        if self._probing:
+            self._plain_steps = 0
+        return self._probing
+
+    def probed(self, kept: bool) -> None:
+        """What the iteration just verified kept (anything or nothing); after a probe, it sets the next wait."""
+        if self._probing:
+            self._interval = self.every if kept else min(2 * self._interval, self.longest)
+            self._probing = False
+
+
+@dataclass
 class DraftController:
     """Picks gamma for each iteration; `update` feeds it what the verifier accepted."""
 
@@ -106,31 +148,28 @@ class DraftController:
     # per draft position i: decayed counts of drafts accepted there, of drafts tested there (the rule reached it)
     _accepted_at: list[float] = field(default_factory=list, init=False)
     _tested_at: list[float] = field(default_factory=list, init=False)
-    _plain_steps: int = field(default=0, init=False)
-    _probe_interval: int = field(default=0, init=False)
-    _probing: bool = field(default=False, init=False)
+    _backoff: Backoff = field(init=False)
 
     def __post_init__(self):
-        self._probe_interval = self.probe_every
+        self._backoff = Backoff(self.probe_every, self.max_probe_every)
 
     @property
     def alpha(self) -> float:
         return (self._accepted + self.prior_alpha * self.prior_weight) / (self._tested + self.prior_weight)
 
     def verify_cost_at(self, gamma: int, rows: int) -> float:
-        """v(gamma) for a batch of `rows`: with a pass costing t0 + r t0 N for N positions, a pass over
-        rows x (gamma + 1) positions against a plain step over `rows`: (1 + r rows (gamma+1)) / (1 + r rows).
-        r = 0 (memory-bound decoding) gives `verify_cost` at every batch size. r may depend on the batch size
-        (measured per size by `selfspec tune`): where a device verifies a wide batch's positions almost for free,
-        the r fitted at one row (per-pass overhead, mostly) would starve drafting there. Measured `verify_costs`
-        (`selfspec.engine.verify_cost`) win over both: taken at the batch size the call started with, they overstate v a
-        little once rows have finished, which errs towards drafting less."""
+        """v(gamma) for a batch of `rows`, from r (`modeled_verify_cost`). r = 0 (memory-bound decoding) gives
+        `verify_cost` at every batch size. r may depend on the batch size (measured per size by `selfspec tune`):
+        where a device verifies a wide batch's positions almost for free, the r fitted at one row (per-pass
+        overhead, mostly) would starve drafting there. Measured `verify_costs` (`selfspec.engine.verify_cost`) win
+        over both: taken at the batch size the call started with, they overstate v a little once rows have
+        finished, which errs towards drafting less."""
         if self.verify_costs is not None:
             return self.verify_costs[min(gamma, len(self.verify_costs) - 1)]
         r = position_cost_at(self.position_cost, rows)
         if r == 0.0:
             return self.verify_cost
-        return (1 + r * rows * (gamma + 1)) / (1 + r * rows)
+        return modeled_verify_cost(r, gamma, rows)
 
     def expected_tokens(self, gamma: int) -> float:
         """E(gamma): tokens an iteration of gamma drafts yields, 1 + sum_i prod_{j <= i} a_j, from the rate a_j
@@ -159,23 +198,16 @@ class DraftController:
         if limit <= 0:
             return 0
         best, _ = self.best(limit, rows)
-        self._probing = False
         if best > 0:
-            self._plain_steps, self._probe_interval = 0, self.probe_every
+            self._backoff.drafting()
             return best
-        self._plain_steps += 1
-        if self._plain_steps < self._probe_interval:
-            return 0
-        self._plain_steps, self._probing = 0, True
-        return 1  # a probe keeps alpha up to date
+        return 1 if self._backoff.probe_due() else 0  # a probe keeps alpha up to date
 
     def update(self, gamma: int, num_accepted: list[int]) -> None:
         """Record an iteration of `gamma` drafts in which row b kept `num_accepted[b]` of them."""
         if gamma == 0:
             return
-        if self._probing:  # a rejected probe: wait twice as long for the next one
-            failed = min(2 * self._probe_interval, self.max_probe_every)
-            self._probe_interval = self.probe_every if any(num_accepted) else failed
+        self._backoff.probed(any(num_accepted))
         self._accepted = self.decay * self._accepted + sum(num_accepted)
         grow = gamma - len(self._tested_at)
         self._accepted_at += [0.0] * max(grow, 0)
@@ -189,6 +221,51 @@ class DraftController:
             )
         # the rule tests positions 1..n+1 (all gamma when every draft is accepted)
         self._tested = self.decay * self._tested + sum(min(n + 1, gamma) for n in num_accepted)
+
+
+@dataclass
+class TreeController:
+    """A tree drafter's choice for each iteration: its tree, or a plain step. A tree of N candidates costs v(N) + c
+    (its verify pass over N + 1 positions and its drafting, both over a plain step) and yields 1 + the depth the
+    rule accepted. From decayed sums of both over the trees verified so far, it drafts while the predicted speedup
+    (tokens over cost) is above 1, and otherwise takes plain steps with a probing tree now and then (`Backoff`)."""
+
+    verify_costs: tuple[float, ...]  # v(N) for N = 0..the most candidates a tree of this drafter has
+    draft_cost: float  # c of drafting one tree
+    decay: float = 0.9  # weight of the past per tree: about the last ten trees count
+    prior_tokens: float = 2.0  # tokens a tree is taken to yield before any evidence (at the widest tree's cost) ...
+    prior_weight: float = 2.0  # ... worth this many trees
+    probe_every: int = 8
+    max_probe_every: int = 64
+    _tokens: float = field(default=0.0, init=False)
+    _cost: float = field(default=0.0, init=False)
+    _backoff: Backoff = field(init=False)
+
+    def __post_init__(self):
+        self._backoff = Backoff(self.probe_every, self.max_probe_every)
+
+    def cost(self, nodes: int) -> float:
+        """v(N) + c of a tree of `nodes` candidates."""
+        return self.verify_costs[min(nodes, len(self.verify_costs) - 1)] + self.draft_cost
+
+    def speedup(self) -> float:
+        """The predicted speedup of drafting trees over plain steps."""
+        prior_cost = self.cost(len(self.verify_costs) - 1)
+        weight = self.prior_weight
+        return (self._tokens + self.prior_tokens * weight) / (self._cost + prior_cost * weight)
+
+    def choose(self) -> bool:
+        """True: draft a tree this iteration; False: a plain step."""
+        if self.speedup() > 1.0:
+            self._backoff.drafting()
+            return True
+        return self._backoff.probe_due()
+
+    def update(self, nodes: int, num_accepted: int) -> None:
+        """Record a tree of `nodes` candidates in which the rule accepted `num_accepted` of them along one path."""
+        self._backoff.probed(num_accepted > 0)
+        self._tokens = self.decay * self._tokens + num_accepted + 1
+        self._cost = self.decay * self._cost + self.cost(nodes)
 
 
 def choose_drafter(

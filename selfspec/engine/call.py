@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import DraftController
+from .adaptive import DraftController, TreeController
 from .generation import GenerationSetup, process_scores, stopping_point
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
@@ -31,6 +31,7 @@ class Call:
     alpha: torch.Tensor  # [2] float64 on the device: sum of sum_x min(p, q), tested positions
     stats: GenerationStats = field(default_factory=GenerationStats)
     controllers: list[DraftController] = field(default_factory=list)  # per drafter, when drafting adapts
+    tree_controller: TreeController | None = None  # a tree drafter's, when drafting adapts
     drafted_by: int | None = None  # the drafter of the iteration being committed (None: a plain step)
     done: dict[int, torch.Tensor] = field(default_factory=dict)  # caller's row -> its finished sequence
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)

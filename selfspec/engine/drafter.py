@@ -97,8 +97,8 @@ class Drafter(ABC):
         default_drafts: gamma when `SelfSpeculative` is not given `num_draft_tokens` (with adaptive drafting,
             the most it drafts per iteration).
         tree: set when the drafter proposes candidate trees instead of chains: a `CandidateTree` (Medusa's
-            fixed shape) or any object whose `max_depth` bounds the trees it drafts (EAGLE's dynamic trees);
-            such a drafter implements `draft_tree`.
+            fixed shape) or any object whose `max_depth` and `max_nodes` bound the depth and the candidates of
+            the trees it drafts (EAGLE's dynamic trees); such a drafter implements `draft_tree`.
         check_drafts: check every draft's values (token range, q at the drafted token), one host sync per
             iteration; the built-in drafters turn it off. Shapes are always checked.
 
@@ -137,6 +137,11 @@ class Drafter(ABC):
     def estimated_cost(self) -> float:
         """c: one draft token's cost over one plain decoding step of the target (0 for a model-free drafter),
         used by adaptive drafting to choose gamma and between drafters."""
+
+    def tree_cost(self) -> float:
+        """Tree drafters: drafting one tree over one plain step, for adaptive drafting. The default is one draft
+        token's `estimated_cost` per level of the tree (a head step drafts a whole level)."""
+        return self.estimated_cost() * self.tree.max_depth
 
     def available(self, state: DecodeState) -> bool:
         """Whether this drafter has a proposal for this iteration (an n-gram drafter without a match has

@@ -9,7 +9,14 @@ from dataclasses import replace
 import torch
 
 from ..adapter import ModelAdapter
-from .adaptive import DraftController, PositionCost, choose_drafter
+from .adaptive import (
+    DraftController,
+    PositionCost,
+    TreeController,
+    choose_drafter,
+    modeled_verify_cost,
+    position_cost_at,
+)
 from .call import Call
 from .drafter import Draft, Drafter, Drafters, Verified, check_draft, pick, target_pass
 from .generation import (
@@ -37,7 +44,7 @@ class DecodingLoop:
     num_draft_tokens: int  # the largest of them
     hidden_layers: tuple  # the target hidden states any drafter reads
     adaptive: bool  # choose gamma (and the drafter) each iteration from the speedup equation
-    draft_cost: float  # c of the last drafter, for adaptive drafting
+    draft_cost: float  # c of the last drafter (a tree drafter: of one tree), for adaptive drafting
     position_cost: PositionCost | None  # r, for adaptive drafting; None: v measured on this machine
     compiled: bool  # compile=True: one unpadded prompt at a time
     stats: GenerationStats | None  # what the last call did
@@ -95,11 +102,18 @@ class DecodingLoop:
                 DraftController(limit, cost, position_cost=self.position_cost or 0.0, verify_costs=measured)
                 for limit, cost in zip(self.draft_limits, costs, strict=True)
             ]
+        elif self.adaptive and not finished:
+            costs = self._tree_verify_costs(call, tree)
+            measured = costs if self.position_cost is None else None
+            call.tree_controller = TreeController(costs, self.draft_cost)
         while not finished:
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
             # a tree's deepest node sits `depth` positions after the pending token
             if tree is not None and span >= tree.max_depth + 1:
-                finished = self.tree_step(call)
+                if call.tree_controller is None or call.tree_controller.choose():
+                    finished = self.tree_step(call)
+                else:
+                    finished = self.speculative_step(call, None, 0)
                 continue
             index, gamma = self._choose_drafter(call, span - 1)
             finished = self.speculative_step(call, index, gamma)
@@ -111,6 +125,17 @@ class DecodingLoop:
         for part in self.drafters:
             part.end(rows)
         return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
+
+    def _tree_verify_costs(self, call: Call, tree) -> tuple[float, ...]:
+        """v(N) for trees of N = 0..tree.max_nodes candidates: from the position cost when given, else measured on
+        this machine (chains of N + 1 positions, as wide as the call's positions allow; wider trees read the widest)."""
+        if self.position_cost is not None:
+            r = position_cost_at(self.position_cost, 1)
+            return tuple(modeled_verify_cost(r, nodes, 1) for nodes in range(tree.max_nodes + 1))
+        span = min(call.remaining, self._span_before_rope_switch(call))
+        widest = max(0, min(tree.max_nodes, span - 1))
+        with call.watch.section("measure"):
+            return measured_verify_costs(self.adapter, call.state, widest, self.hidden_layers)
 
     def _choose_drafter(self, call: Call, limit: int) -> tuple[int | None, int]:
         """Which drafter drafts this iteration (None: a plain step) and at most how many tokens: adaptive, by
@@ -313,7 +338,9 @@ class DecodingLoop:
         if next_token is not None:
             name = self.drafters[call.drafted_by].name if call.drafted_by is not None else None
             call.stats.record_iteration(drafts.shape[1], accepted, name)
-            if call.controllers and call.drafted_by is not None:
+            if not chain and call.tree_controller is not None:  # a tree of num_new - 1 candidates, one prompt
+                call.tree_controller.update(num_new - 1, accepted[0])
+            elif call.controllers and call.drafted_by is not None:
                 call.controllers[call.drafted_by].update(drafts.shape[1], accepted)
         if all(finished):
             return True

@@ -32,6 +32,10 @@ class CandidateTree:
     def max_depth(self) -> int:
         return len(self.top_k)
 
+    @property
+    def max_nodes(self) -> int:
+        return self.num_nodes
+
     @classmethod
     def from_paths(cls, paths: list[list[int]] | list[tuple[int, ...]], num_heads: int | None = None) -> CandidateTree:
         cleaned = []

@@ -143,7 +143,8 @@ def tune(
             plain = run_prompts(SelfSpeculative(model, num_draft_tokens=0), prompts, max_new_tokens, do_sample)
             plain_pass = plain["total_seconds"] / plain["target_passes"]
         for tree in trees:  # tokens per pass and the time per pass, measured in the loop with v as it is here
-            spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab)
+            # adaptive=False: every iteration verifies a tree, never a plain step instead
+            spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab, adaptive=False)
             stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
             depth = tree["depth"] if isinstance(tree, dict) else max(len(path) for path in tree)
             tokens = stats["new_tokens"] / stats["row_passes"]
