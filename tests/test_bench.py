@@ -136,6 +136,11 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert result["meta"]["prompts"] == 2 and result["meta"]["max_new_tokens"] == 10
     assert {row["contender"] for row in result["results"]} >= {"generate", "selfspec medusa tree"}
     assert (tmp_path / "b" / "bench.png").stat().st_size > 0 and (tmp_path / "b" / "bench.md").exists()
+    fixed = ["--only", "medusa tree", "--fixed_trees", "--no_sampling", "--output", str(tmp_path / "f")]
+    assert main(["bench", *common, "--repeats", "1", "--no_transformers", *fixed]) == 0
+    rows = {row["contender"]: row for row in json.loads((tmp_path / "f" / "bench.json").read_text())["results"]}
+    assert {"selfspec medusa tree", "selfspec medusa tree (fixed)"} <= set(rows)
+    assert rows["selfspec medusa tree (fixed)"]["matched"] is True  # a tree every iteration, still exact
     only = ["--only", "untrained", "--untrained_exit_layer", "1", "--no_sampling", "--output", str(tmp_path / "c")]
     assert main(["bench", *common, "--repeats", "1", *only]) == 0
     result = json.loads((tmp_path / "c" / "bench.json").read_text())

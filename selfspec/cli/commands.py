@@ -23,6 +23,7 @@ from ..measure.bench import (
 from ..measure.contenders import (
     chain_contenders,
     compiled_contenders,
+    fixed_tree_contenders,
     generate_contender,
     memory_contenders,
     merged_contenders,
@@ -115,6 +116,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
     if args.only:
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
+    if args.fixed_trees:
+        contenders += fixed_tree_contenders(contenders)
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)

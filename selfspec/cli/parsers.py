@@ -139,6 +139,12 @@ def add_bench_parser(commands) -> None:
         "NODES-TOP_K-DEPTH/LOOKUP_TOKENS, comma-separated, e.g. 2-2-1/6,6-2-4/10 (one verify pass per tree)",
     )
     bench.add_argument(
+        "--fixed_trees",
+        action="store_true",
+        help="also run each tree contender with adaptive=False, named '... (fixed)': a tree verified every "
+        "iteration, beside the default that takes plain steps where trees do not pay",
+    )
+    bench.add_argument(
         "--suffix_memory",
         help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
         "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "

@@ -44,6 +44,8 @@ class Contender:
     plain_loop: bool = False  # selfspec with gamma = 0: the unit of c and v (of the compiled ones, if `compiled`)
     tree: bool = False
     compiled: bool = False  # torch.compile'd passes: compared with the compiled model.generate too
+    options: dict = field(default_factory=dict)  # selfspec's: the SelfSpeculative arguments ...
+    temperature: float = 1.0  # ... and the sampling temperature it was built with
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -85,7 +87,20 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
 
     plain = options.get("num_draft_tokens") == 0
     tree = any(part.tree is not None for part in spec.drafters)
-    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree, compiled=spec.compiled)
+    return Contender(name, sampling, run, spec=spec, plain_loop=plain, tree=tree, compiled=spec.compiled,
+                     options=options, temperature=temperature)  # fmt: skip
+
+
+def fixed_tree_contenders(contenders: list[Contender]) -> list[Contender]:
+    """Each adaptive selfspec tree contender again with adaptive=False, named "... (fixed)": a tree verified every
+    iteration, against the default that falls back to plain steps where trees do not pay."""
+    return [
+        selfspec_contender(
+            c.spec.model, f"{c.name} (fixed)", c.sampling, c.temperature, **{**c.options, "adaptive": False}
+        )
+        for c in contenders
+        if c.tree and c.spec is not None and c.spec.adaptive
+    ]
 
 
 def compiled_contenders(
