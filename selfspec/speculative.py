@@ -170,6 +170,13 @@ class SelfSpeculative(DecodingLoop):
         self.position_cost = check_position_cost(given) if given is not None else None  # None: measured per call
         self.exit_layer = getattr(self.drafters[-1], "exit_layer", None)  # the heads' drafter is the last
         self.num_draft_tokens = max(self.draft_limits)
+        shape = self.drafters[0].tree
+        if self.adaptive and shape is not None and not isinstance(getattr(shape, "max_nodes", None), int):
+            raise ValueError(
+                f"{self.drafters[0].name}'s tree shape declares no max_nodes (the most candidates one of its trees "
+                "has), which adaptive trees need to cost a tree's verify pass. Declare it beside max_depth, or pass "
+                "adaptive=False to verify a tree every iteration."
+            )
         self.stats = None
         if self.compiled:
             self._check_compiled()

@@ -166,3 +166,24 @@ def test_keep_new_keeps_the_accepted_path_after_the_earlier_positions(kept):
     for layer, (keys, values) in zip(cache.layers, full, strict=True):
         assert torch.equal(layer.keys, keys[:, :, order]) and torch.equal(layer.values, values[:, :, order])
     assert cache.get_seq_length() == len(order)
+
+
+def test_a_tree_shape_without_max_nodes_is_refused_where_trees_adapt():
+    """Adaptive trees cost a tree's verify pass by its candidates: a tree drafter whose shape declares only max_depth
+    (as custom ones could before) gets a clear error, alone or merged, and runs with adaptive=False."""
+
+    class DepthOnly:
+        max_depth = 2
+
+    class CustomTree(NGramDrafter):
+        tree = DepthOnly()
+
+        @property
+        def name(self) -> str:
+            return "custom tree"
+
+    model = tiny_model("llama")
+    for drafter in (CustomTree(), [CustomTree(), "ngram"]):
+        with pytest.raises(ValueError, match="declares no max_nodes"):
+            SelfSpeculative(model, drafter=drafter)
+        assert SelfSpeculative(model, drafter=drafter, adaptive=False).adaptive is False

@@ -27,7 +27,7 @@ class MergedShape:
     it may have (every part's, before shared prefixes merge)."""
 
     max_depth: int
-    max_nodes: int
+    max_nodes: int | None
 
 
 def unprocessed(tokens: torch.Tensor, logits: torch.Tensor, offset: int) -> torch.Tensor:
@@ -87,7 +87,8 @@ class MergedTreeDrafter(Drafter):
                 )
         self.parts = tuple(parts)
         self.check_drafts = any(part.check_drafts for part in parts)  # the loop checks the chains near a call's end
-        nodes = sum(part.tree.max_nodes if part.tree is not None else part.default_drafts for part in parts)
+        counts = [getattr(part.tree, "max_nodes", None) if part.tree else part.default_drafts for part in parts]
+        nodes = None if None in counts else sum(counts)  # a part without max_nodes: unknown (adaptive=False only)
         self.tree = MergedShape(max(self._depth(part) for part in parts), nodes)
         self.hidden_layers = tuple(dict.fromkeys(layer for part in parts for layer in part.hidden_layers))
         self.max_drafts = max(part.max_drafts for part in parts)
