@@ -140,8 +140,8 @@ class SelfSpeculative(DecodingLoop):
         self.drafters = build_drafters(self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram)
         self.hidden_layers = self._collect_hidden_layers()
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
-        tree_drafter = self.drafters[0].tree is not None  # then it drafts alone
-        estimate = self.drafters[0].tree_cost() if tree_drafter else self.drafters[-1].estimated_cost()
+        shape = self.drafters[0].tree  # a tree drafter drafts alone
+        estimate = self.drafters[0].tree_cost() if shape is not None else self.drafters[-1].estimated_cost()
         self.draft_cost = estimate if draft_cost is None else draft_cost
         if not self.draft_cost >= 0:
             raise ValueError(f"draft_cost={draft_cost!r} must be a non-negative number (draft token / plain step).")
@@ -170,7 +170,6 @@ class SelfSpeculative(DecodingLoop):
         self.position_cost = check_position_cost(given) if given is not None else None  # None: measured per call
         self.exit_layer = getattr(self.drafters[-1], "exit_layer", None)  # the heads' drafter is the last
         self.num_draft_tokens = max(self.draft_limits)
-        shape = self.drafters[0].tree
         if self.adaptive and shape is not None and not isinstance(getattr(shape, "max_nodes", None), int):
             raise ValueError(
                 f"{self.drafters[0].name}'s tree shape declares no max_nodes (the most candidates one of its trees "

@@ -87,7 +87,9 @@ class MergedTreeDrafter(Drafter):
                 )
         self.parts = tuple(parts)
         self.check_drafts = any(part.check_drafts for part in parts)  # the loop checks the chains near a call's end
-        counts = [getattr(part.tree, "max_nodes", None) if part.tree else part.default_drafts for part in parts]
+        counts = [
+            getattr(part.tree, "max_nodes", None) if part.tree is not None else part.default_drafts for part in parts
+        ]
         nodes = None if None in counts else sum(counts)  # a part without max_nodes: unknown (adaptive=False only)
         self.tree = MergedShape(max(self._depth(part) for part in parts), nodes)
         self.hidden_layers = tuple(dict.fromkeys(layer for part in parts for layer in part.hidden_layers))
