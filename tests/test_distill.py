@@ -375,5 +375,10 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
         other = score_sums(heads, adapter, hidden_states, logits, None, mask & ~flags)[0]
     assert flags[0, 5:-1].tolist() == [False, False, True, True, False, False]
     assert copied[3] == 2 and other[3] == 4  # the first draft is taught at every answer token here
-    row = f"| x | 6 | 0.33 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} |"
+    both = (copied[2] + other[2]) / 6
+    row = f"| x | 6 | 1.000 | 0.33 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} | {both:.3f} |"
     assert row in table and table[-1].startswith("| overall | 6 |")
+    vocab = adapter.draft_vocabulary([5, 6, 7, 8, 11])  # 5 of the 6 answer tokens: 12 is not among them
+    with torch.no_grad():
+        table = split_by_copying(model, adapter, heads, vocab, [{"prompt": prompt, "answer": answer, "category": "x"}])
+    assert table[-1].startswith("| overall | 6 | 0.833 | 0.33 | 0.33 |")

@@ -7,8 +7,9 @@
 2. **Recorded answers** (`--prompts`): each prompt's greedy answer from `model.generate` (recorded once into
    `--records`, JSON), and the heads' top-1 at draft 1 over its tokens, split into those a copy predicts (the
    token continues an earlier occurrence of the two tokens before it, in the prompt or the answer so far: a
-   continuation n-gram lookup could draft) and the rest, per category, beside how often the latest such
-   continuation is the token (what two-token lookup drafts, right).
+   continuation n-gram lookup could draft) and the rest, and over all of them, per category, beside how often the
+   latest such continuation is the token (what two-token lookup drafts, right) and how many of the tokens the
+   draft vocabulary holds (a draft outside it is never proposed).
 
     python training/probe_copying.py --heads heads/smollm2-135m-instruct/eagle-head \\
         --prompts specbench_dev.jsonl --limit_per_category 4 --records runs/copy_records.json
@@ -99,8 +100,9 @@ def recorded(model, tokenizer, args) -> list[dict]:
 
 
 def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[str]:
-    # category -> [copied, other, lookup right] x [agree, n]
-    sums = defaultdict(lambda: torch.zeros(3, 2, dtype=torch.float64))
+    # category -> [copied, other, lookup right, in the draft vocabulary] x [agree, n]
+    sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
+    in_vocab = None if vocab is None else set(vocab.ids.tolist())
     for record in records:
         tokens = record["prompt"] + record["answer"]
         ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
@@ -109,17 +111,20 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[
         hidden_states, logits = target_pass(model, ids)
         parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
         looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
+        draftable = sum(in_vocab is None or token in in_vocab for token in record["answer"])
         for category in (record.get("category") or "all", "overall"):
             for k, part in enumerate(parts):
                 sums[category][k] += part[0]
             sums[category][2, 0] += looked_up
-    lines = ["| category | positions | copied share | lookup right | top-1, copied | top-1, the rest |"]
-    lines.append("|---|---:|---:|---:|---:|---:|")
+            sums[category][3, 0] += draftable
+    lines = ["| category | positions | in the draft vocabulary | copied share | lookup right | top-1, copied | "
+             "top-1, the rest | top-1, all |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for category in sorted(sums, key=lambda c: (c == "overall", c)):
-        (copied, n_copied), (other, n_other), (looked_up, _) = sums[category].tolist()
+        (copied, n_copied), (other, n_other), (looked_up, _), (draftable, _) = sums[category].tolist()
         n = max(1, n_copied + n_other)
-        lines.append(f"| {category} | {n_copied + n_other:.0f} | {n_copied / n:.2f} | {looked_up / n:.2f} | "
-                     f"{copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} |")  # fmt: skip
+        lines.append(f"| {category} | {n_copied + n_other:.0f} | {draftable / n:.3f} | {n_copied / n:.2f} | "
+                     f"{looked_up / n:.2f} | {copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} | "
+                     f"{(copied + other) / n:.3f} |")  # fmt: skip
     return lines
 
 
