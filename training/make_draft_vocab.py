@@ -1,4 +1,5 @@
-"""A draft vocabulary for a target from its own chat answers (the jsonl that training/make_chat_data.py writes).
+"""A draft vocabulary for a target from its own chat answers (the jsonl files, plain or .gz, that
+training/make_chat_data.py writes).
 
     python training/make_draft_vocab.py --data runs/smollm2-chat/train.jsonl \
         --heldout runs/smollm2-chat/heldout.jsonl --out heads/smollm2-135m-instruct/draft_vocab.json
@@ -11,6 +12,7 @@ Prints the share of held-out answer tokens the vocabulary covers: a draft outsid
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -23,9 +25,10 @@ COUNT = 8192  # draft vocabulary size (plus EOS)
 
 
 def answer_ids(path: Path, tokenizer) -> list[torch.Tensor]:
-    """Token ids of each row's assistant turn(s), EOS appended (the tokens the target generated)."""
+    """Token ids of each row's assistant turn(s), EOS appended (the tokens the target generated); `path` plain or
+    gzip-compressed (by its `.gz` name)."""
     ids = []
-    with path.open() as lines:
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as lines:
         for line in lines:
             row = json.loads(line)
             for message in row["messages"]:
@@ -39,18 +42,20 @@ def answer_ids(path: Path, tokenizer) -> list[torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="jsonl with chat messages: the vocabulary is counted here")
-    parser.add_argument("--heldout", help="jsonl with chat messages: the coverage is measured here")
+    parser.add_argument("--data", nargs="+", required=True, help="jsonl (or .jsonl.gz) files with chat messages: "
+                        "the vocabulary is counted here")  # fmt: skip
+    parser.add_argument("--heldout", nargs="+", help="jsonl files with chat messages: the coverage is measured here")
     parser.add_argument("--out", required=True, help="the JSON list to write")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="whose tokenizer")
     parser.add_argument("--count", type=int, default=COUNT)
     args = parser.parse_args()
     _, tokenizer = load_model(args.target, dtype="bfloat16")  # only the tokenizer is used
-    ids = frequent_tokens(answer_ids(Path(args.data), tokenizer), args.count, always=[tokenizer.eos_token_id])
+    answers = [row for path in args.data for row in answer_ids(Path(path), tokenizer)]
+    ids = frequent_tokens(answers, args.count, always=[tokenizer.eos_token_id])
     Path(args.out).write_text(json.dumps(ids.tolist()))
     print(f"{len(ids)} ids -> {args.out}")
     if args.heldout:
-        held = torch.cat(answer_ids(Path(args.heldout), tokenizer))
+        held = torch.cat([row for path in args.heldout for row in answer_ids(Path(path), tokenizer)])
         print(f"held-out answer tokens covered: {torch.isin(held, ids).float().mean().item():.4f} of {held.numel()}")
 
 
