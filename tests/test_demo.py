@@ -128,7 +128,7 @@ def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in
     assert "smollm2-135m-instruct: 2 prompts, 6 new tokens each, greedy, bfloat16" in out
     rows = re.findall(r"^\| (model\.generate|selfspec [^|]*?) \|", out, flags=re.MULTILINE)
     assert rows == ["model.generate", "selfspec eagle, vocab 48", "selfspec ngram", "selfspec hybrid ngram + eagle, "
-                    "vocab 48", "selfspec merged ngram 6 + eagle tree 2-2-1, vocab 48"]  # fmt: skip
+                    "vocab 48", "selfspec merged ngram 6 + eagle tree 3-3-1, vocab 48"]  # fmt: skip
     assert "| selfspec ngram | " in out and "| tie (2) |" in out and "tie (n): the same tokens up to a tie" in out
     assert "  selfspec ngram: 0 of 2 prompts identical, 2 left it at a tie" in out
     assert "up to ties: yes: 6 of 8 outputs identical, 2 left it at a tie, none anywhere else." in out

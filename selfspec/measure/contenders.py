@@ -217,8 +217,9 @@ def standard_contenders(
 
 
 EAGLE_TREE = {"nodes": 6, "top_k": 2, "depth": 4}  # a small dynamic tree: a CPU verifies few positions for free
-# lookup's chain of 6 and the head's two best first guesses in one tree: the fastest merged shape on SmolLM2's CPU runs
-MERGED_TREE = ({"nodes": 2, "top_k": 2, "depth": 1}, 6)
+# lookup's chain of 6 and the head's three best first guesses in one tree: the fastest merged shape on SmolLM2's CPU
+# runs (docs/benchmarks.md, "Copies of natural text (stage 8)")
+MERGED_TREE = ({"nodes": 3, "top_k": 3, "depth": 1}, 6)
 
 
 def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float | None, lookup: dict):
