@@ -4,7 +4,8 @@ training/make_chat_data.py writes).
     python training/make_draft_vocab.py --data runs/smollm2-chat/train.jsonl \
         --heldout runs/smollm2-chat/heldout.jsonl --out heads/smollm2-135m-instruct/draft_vocab.json
 
-The `--count` most frequent token ids of the assistant answers (the tokens drafts have to propose), plus the
+The `--count` most frequent token ids of the assistant answers as the model generates them
+(`selfspec.chat.chat_answers`: the tokens drafts have to propose), plus the
 end-of-text id, as a sorted JSON list for `SelfSpeculative(draft_vocab=...)` (`selfspec.frequent_tokens`).
 Prints the share of held-out answer tokens the vocabulary covers: a draft outside it is never proposed.
 """
@@ -12,32 +13,16 @@ Prints the share of held-out answer tokens the vocabulary covers: a draft outsid
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
 import torch
 
 from selfspec.adapter import frequent_tokens
+from selfspec.chat import chat_answers
 from selfspec.targets import load_model
 
 COUNT = 8192  # draft vocabulary size (plus EOS)
-
-
-def answer_ids(path: Path, tokenizer) -> list[torch.Tensor]:
-    """Token ids of each row's assistant turn(s), EOS appended (the tokens the target generated); `path` plain or
-    gzip-compressed (by its `.gz` name)."""
-    ids = []
-    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as lines:
-        for line in lines:
-            row = json.loads(line)
-            for message in row["messages"]:
-                if message["role"] == "assistant":
-                    tokens = tokenizer(message["content"], add_special_tokens=False).input_ids
-                    ids.append(torch.tensor([*tokens, tokenizer.eos_token_id]))
-    if not ids:
-        raise ValueError(f"{path} has no assistant messages")
-    return ids
 
 
 def main() -> None:
@@ -50,12 +35,14 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=COUNT)
     args = parser.parse_args()
     _, tokenizer = load_model(args.target, dtype="bfloat16")  # only the tokenizer is used
-    answers = [row for path in args.data for row in answer_ids(Path(path), tokenizer)]
+    answers = [answer for path in args.data for answer in chat_answers(path, tokenizer)]
     ids = frequent_tokens(answers, args.count, always=[tokenizer.eos_token_id])
     Path(args.out).write_text(json.dumps(ids.tolist()))
     print(f"{len(ids)} ids -> {args.out}")
     if args.heldout:
-        held = torch.cat([row for path in args.heldout for row in answer_ids(Path(path), tokenizer)])
+        held = torch.tensor(
+            [token for path in args.heldout for answer in chat_answers(path, tokenizer) for token in answer]
+        )
         print(f"held-out answer tokens covered: {torch.isin(held, ids).float().mean().item():.4f} of {held.numel()}")
 
 
