@@ -194,7 +194,11 @@ def test_loop_profile_times_the_eagle_tree_and_the_merged_tree_section_by_sectio
     assert "| section (us per iteration) | plain | eagle_tree | merged |" in out
     timed = next(line for line in out.splitlines() if line.startswith("| iterations timed |"))
     assert all(int(cell) > 0 for cell in timed.strip("|").split("|")[1:])
-    options = loop_profile.mode_options(None, "merged", {"eagle": "heads"}, 3, ({"nodes": 2}, 3))
-    assert options == {"drafter": "hybrid", "heads": "heads", "tree": {"nodes": 2}, "prompt_lookup_num_tokens": 3}
+    options = loop_profile.mode_options(None, "merged", {"eagle": "heads"}, 3, ({"nodes": 2}, 3), [5, 7])
+    assert options == {"drafter": "hybrid", "heads": "heads", "draft_vocab": [5, 7], "tree": {"nodes": 2},
+                       "prompt_lookup_num_tokens": 3}  # fmt: skip
+    # the EAGLE modes draft from the target's draft vocabulary, as the bench runs them; the others never do
+    assert loop_profile.mode_options(None, "eagle", {"eagle": "heads"}, 3, ({}, 3), [5])["draft_vocab"] == [5]
+    assert "draft_vocab" not in loop_profile.mode_options(None, "ngram", {}, 3, ({}, 3), [5])
     with pytest.raises(SystemExit, match="--merged_tree takes NODES-TOP_K-DEPTH"):
         loop_profile.main([*argv[:-4], "--merged_tree", "2-2"])

@@ -165,10 +165,12 @@ def contenders(package):
     raise ModuleNotFoundError(f"{package.__name__} has no module of benchmark contenders")
 
 
-def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict, int]) -> dict:
+def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict, int], vocab=None) -> dict:
     """SelfSpeculative arguments of one mode, with `package`'s own heads objects; `merged`: the EAGLE tree and
-    lookup's chain length of the modes eagle_tree (the tree) and merged (both, one merged tree)."""
+    lookup's chain length of the modes eagle_tree (the tree) and merged (both, one merged tree). The EAGLE modes
+    draft from the draft vocabulary `vocab` (token ids; None: the whole vocabulary), as `selfspec bench` runs them."""
     chain = {"num_draft_tokens": gamma, "adaptive": False}
+    eagle = {"heads": heads.get("eagle"), "draft_vocab": vocab}
     if mode == "plain":
         return {"num_draft_tokens": 0}
     if mode == "ngram":
@@ -180,16 +182,16 @@ def mode_options(package, mode: str, heads: dict, gamma: int, merged: tuple[dict
     if mode == "tree":
         return {"heads": heads["medusa"], "tree": contenders(package).tree_for(heads["medusa"])}
     if mode == "eagle":
-        return {"heads": heads["eagle"], **chain}
+        return {**eagle, **chain}
     if mode == "eagle_tree":
-        return {"heads": heads["eagle"], "tree": merged[0]}
+        return {**eagle, "tree": merged[0]}
     if mode == "merged":
-        return {"drafter": "hybrid", "heads": heads["eagle"], "tree": merged[0], "prompt_lookup_num_tokens": merged[1]}
+        return {"drafter": "hybrid", **eagle, "tree": merged[0], "prompt_lookup_num_tokens": merged[1]}
     raise SystemExit(f"unknown mode {mode!r}: {', '.join(MODES)}")
 
 
-def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object]]:
-    """(label, package, spec) per mode and package version."""
+def build_runs(args, model, heads_paths: dict, vocab=None) -> list[tuple[str, object, object]]:
+    """(label, package, spec) per mode and package version; the EAGLE modes draft from `vocab` (`mode_options`)."""
     packages = [load_package(None)] + ([load_package(args.before)] if args.before else [])
     runs = []
     for package in packages:
@@ -197,7 +199,7 @@ def build_runs(args, model, heads_paths: dict) -> list[tuple[str, object, object
         heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
         for mode in args.modes.split(","):
             label = mode if package.__name__ == "selfspec" else f"{mode} @{args.before}"
-            options = mode_options(package, mode, heads, args.gamma, args.merged_tree)
+            options = mode_options(package, mode, heads, args.gamma, args.merged_tree, vocab)
             runs.append((label, package, package.SelfSpeculative(model, **options)))
             if args.compile and package.__name__ == "selfspec" and mode in COMPILED_MODES:
                 runs.append((f"{mode} compiled", package, package.SelfSpeculative(model, compile=True, **options)))
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's N busiest ops per mode")
     parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
     args = parser.parse_args(argv)
-    model, tokenizer, heads, prompt_texts, _ = load_target(args)
+    model, tokenizer, heads, prompt_texts, vocab = load_target(args)
     from ..heads import EagleHeads, ExitHeads, MedusaHeads
     from ..targets import default_heads
 
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {ExitHeads: "exit", MedusaHeads: "medusa", EagleHeads: "eagle"}
     heads_paths = {kinds[type(loaded)]: path for path, loaded in zip(paths, heads.values(), strict=True)}
     prompts = encode(tokenizer, prompt_texts[: args.num_prompts], model.device)
-    runs = build_runs(args, model, heads_paths)
+    runs = build_runs(args, model, heads_paths, vocab)
     names, table = summarize(measure(runs, prompts, args))
     mode = "sampling" if args.do_sample else "greedy"
     print(f"\nmean over {args.num_prompts} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, "
