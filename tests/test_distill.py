@@ -382,3 +382,37 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
     with torch.no_grad():
         table = split_by_copying(model, adapter, heads, vocab, [{"prompt": prompt, "answer": answer, "category": "x"}])
     assert table[-1].startswith("| overall | 6 | 0.833 | 0.33 | 0.33 |")
+
+
+def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
+    """training/probe_copying.py --temperature: one draw from q at T=1 is accepted with score_sums' alpha; as T goes
+    to 0, p_T of the head's best guess becomes its top-1 agreement; three guesses take at least as much as one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    from probe_copying import sampled_split, sampling_sums
+
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    torch.manual_seed(0)
+    heads = MedusaHeads(adapter.fingerprint(), 2)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 64))
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    mask[0, 8:-1] = True
+    with torch.no_grad():
+        hidden_states, logits = target_pass(model, tokens)
+        reference = score_sums(heads, adapter, hidden_states, logits, None, mask)[0]
+        at_one = sampling_sums(heads, adapter, hidden_states, logits, None, mask, 1.0)
+        cold = sampling_sums(heads, adapter, hidden_states, logits, None, mask, 1e-4)
+        warm = sampling_sums(heads, adapter, hidden_states, logits, None, mask, 0.7)
+    assert 0 < reference[2] < reference[3]  # the head agrees at some positions and not at others
+    torch.testing.assert_close(at_one[2], reference[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cold[0], reference[2], rtol=1e-4, atol=1e-4)
+    assert at_one[3] == cold[3] == reference[3] > 0
+    assert warm[0] <= warm[1] <= warm[3] and 0 < warm[2] <= warm[3]
+    record = {"prompt": tokens[0, :9].tolist(), "answer": tokens[0, 9:].tolist(), "category": "x"}
+    with torch.no_grad():
+        table = sampled_split(model, adapter, heads, None, [record], 0.7)
+    n = float(warm[3])  # the answer's positions are the mask's: 8 .. 62
+    assert table[-1] == f"| overall | {n:.0f} | {warm[0] / n:.3f} | {warm[1] / n:.3f} | {warm[2] / n:.3f} |"

@@ -10,6 +10,11 @@
    continuation n-gram lookup could draft) and the rest, and over all of them, per category, beside how often the
    latest such continuation is the token (what two-token lookup drafts, right) and how many of the tokens the
    draft vocabulary holds (a draft outside it is never proposed).
+3. **Sampling** (`--temperature T`, with recorded answers): on the same positions, what the first draft would be
+   accepted with when the target samples at T: the head's best guess as a point mass (p_T of it), its three best
+   guesses as siblings (the sum of p_T over them: the multi-candidate rule's acceptance, what a tree of the three
+   best first guesses takes at its first level), and one draw from the head's q at T (sum of min(p_T, q_T)).
+   Contexts are the greedy answers', not sampled ones.
 
     python training/probe_copying.py --heads heads/smollm2-135m-instruct/eagle-head \\
         --prompts specbench_dev.jsonl --limit_per_category 4 --records runs/copy_records.json
@@ -128,6 +133,41 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[
     return lines
 
 
+def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The first draft at the positions `mask` marks, the target sampling at `temperature`: sums of p_T(the head's
+    best guess), of p_T over its 3 best guesses, and of sum_x min(p_T(x), q_T(x)) (one draw from q_T), and the
+    count, [4] float64."""
+    draft = heads.distillation_drafts(adapter, hidden_states, vocab, mask)[0]
+    q_logits = draft.head(draft.hidden).float()  # [batch, positions, V], -inf off a draft vocabulary
+    p = draft.teacher(torch.softmax(logits.float() / temperature, dim=-1))
+    q = torch.softmax(q_logits / temperature, dim=-1)
+    best = q_logits.topk(3, dim=-1).indices
+    weight = draft.teacher(mask.double())
+    parts = [p.gather(-1, best[..., :1]).squeeze(-1), p.gather(-1, best).sum(-1), torch.minimum(p, q).sum(-1)]
+    return torch.stack([(part.double() * weight).sum() for part in parts] + [weight.sum()])
+
+
+def sampled_split(model, adapter, heads, vocab, records: list[dict], temperature: float) -> list[str]:
+    """Per category, over the recorded answers' tokens: `sampling_sums`' three acceptances as a table."""
+    sums = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))
+    for record in records:
+        tokens = record["prompt"] + record["answer"]
+        ids = torch.tensor([tokens])
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
+        hidden_states, logits = target_pass(model, ids)
+        part = sampling_sums(heads, adapter, hidden_states, logits, vocab, answer, temperature)
+        for category in (record.get("category") or "all", "overall"):
+            sums[category] += part
+    lines = [f"| category | positions | best guess at T={temperature} | 3 best guesses | one draw from q |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for category in sorted(sums, key=lambda c: (c == "overall", c)):
+        best, three, drawn, n = sums[category].tolist()
+        n = max(1.0, n)
+        lines.append(f"| {category} | {n:.0f} | {best / n:.3f} | {three / n:.3f} | {drawn / n:.3f} |")
+    return lines
+
+
 @torch.no_grad()
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -140,8 +180,12 @@ def main(argv=None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--records", default=None,
                         help="JSON of answers: read if it exists (whatever --prompts says), else recorded")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="the first draft's acceptance when the target samples at this T too")  # fmt: skip
     parser.add_argument("--num_threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.temperature is not None and not (args.temperature > 0 and (args.prompts or args.records)):
+        parser.error("--temperature needs a positive value and recorded answers (--prompts or --records)")
     torch.set_num_threads(args.num_threads)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     adapter = ModelAdapter(model)
@@ -154,6 +198,9 @@ def main(argv=None) -> None:
         if records:
             print(f"\ndraft 1 on {len(records)} recorded greedy answers:\n")
             print("\n".join(split_by_copying(model, adapter, heads, vocab, records)))
+            if args.temperature is not None:
+                print(f"\ndraft 1 with the target sampling at T={args.temperature}, on the same answers' contexts:\n")
+                print("\n".join(sampled_split(model, adapter, heads, vocab, records, args.temperature)))
         print()
 
 
