@@ -102,6 +102,7 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--train.copy_rows", "-1"], "train.copy_rows must be at least 0, got -1"),
         (["--train.copy_segment", "0"], "train.copy_segment must be at least 2, got 0"),
         (["--train.copy_repeats", "1"], "train.copy_repeats must be at least 2, got 1"),
+        (["--train.teacher_temperature", "0"], "train.teacher_temperature must be positive, got 0"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -237,8 +237,12 @@ def test_objective_and_scores_match_the_definitions(kind):
         ]
         kl = DistillationObjective(heads, adapter, loss="kl")(hidden_states, logits)
         ce = DistillationObjective(heads, adapter, loss="soft_ce")(hidden_states, logits)
+        sharp = DistillationObjective(heads, adapter, teacher_temperature=0.5)(hidden_states, logits)
         sums = score_sums(heads, adapter, hidden_states, logits)
     torch.testing.assert_close(kl, torch.stack([kl_divergence(p, q).mean() for p, q in pairs]))
+    # a teacher at T = 0.5: KL(softmax(p / T) || q), not the same loss
+    torch.testing.assert_close(sharp, torch.stack([kl_divergence(p / 0.5, q).mean() for p, q in pairs]))
+    assert not torch.allclose(sharp, kl)
     torch.testing.assert_close(ce, torch.stack([soft_cross_entropy(p, q).mean() for p, q in pairs]))
     expected, chain = [], None
     for p, q in pairs:

@@ -568,13 +568,15 @@ def test_eagle_head_trains_and_generates_exactly(world, monkeypatch):
         written = load_file(world["root"] / "eagle" / "heads" / "model.safetensors")
         live = {name: tensor.detach().clone() for name, tensor in run.heads.state_dict().items()}
         saved.append((run.progress.step, written, live))
+        temperatures.append(run.accelerator.unwrap_model(run.objective).teacher_temperature)
 
+    temperatures = []
     monkeypatch.setattr(train_heads.Run, "save_heads", save_and_read)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
     overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
-    steps = {"train.max_steps": 6, "eval.every": 3, "train.save_dtype": "bfloat16"}
+    steps = {"train.max_steps": 6, "eval.every": 3, "train.save_dtype": "bfloat16", "train.teacher_temperature": 0.5}
     train_in_process(write_config(world, "eagle", **overrides, **steps))
-    assert [step for step, _, _ in saved] == [3, 6]
+    assert [step for step, _, _ in saved] == [3, 6] and temperatures == [0.5, 0.5]  # the loss's teacher at T = 0.5
     for _, written, live in saved:  # each save holds the heads as they were at its step, in bfloat16
         assert written.keys() == live.keys() and {t.dtype for t in written.values()} == {torch.bfloat16}
         assert all(torch.equal(written[n], live[n].to(torch.bfloat16)) for n in live)

@@ -192,7 +192,9 @@ class Run:
         self.baseline = load_baseline(config, self.adapter, self.heads)
         # with train.draft_vocab, q and p over its tokens (the vocabulary the heads will draft from)
         self.vocab = self.adapter.draft_vocabulary(tc.draft_vocab) if tc.draft_vocab else None
-        objective = DistillationObjective(self.heads, self.adapter, tc.loss, tc.recompute_logits, self.vocab)
+        objective = DistillationObjective(
+            self.heads, self.adapter, tc.loss, tc.recompute_logits, self.vocab, tc.teacher_temperature
+        )
         self.train_vocab = objective.vocab  # the target's logits over it only (None: the whole vocabulary)
         self.copy_pool = None  # train.copy_rows: their tokens, and a fixed set of them held out for evaluation
         if tc.copy_rows:

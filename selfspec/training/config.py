@@ -253,6 +253,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     loss: str = "kl"  # kl: KL(p || q); soft_ce: -sum p log q (same gradient, offset by the entropy of p)
+    teacher_temperature: float = 1.0  # p = softmax(target logits / T) in the loss; T < 1 sharpens it toward the
+    # target's argmax (what greedy verification accepts); evaluations measure against the target at T = 1
     recompute_logits: bool = False  # recompute each draft's logits in backward: less memory for large vocabularies
     draft_vocab: str | None = None  # token-id JSON: q and the target's p both over these tokens (EAGLE-3's reduced
     # vocabulary; drafts then use the same draft_vocab); None: the whole vocabulary
@@ -282,6 +284,8 @@ class TrainConfig:
             _at_least("train", self, 1, ("num_threads",))
         if self.lr <= 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if not self.teacher_temperature > 0:
+            raise ValueError(f"train.teacher_temperature must be positive, got {self.teacher_temperature}")
 
 
 @dataclass

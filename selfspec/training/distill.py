@@ -91,13 +91,17 @@ class DistillationObjective(nn.Module):
     With a draft `vocab` (`DraftVocabulary`), q and p are both distributions over its tokens: q from their
     LM-head rows, p the target's logits restricted to them and renormalised (EAGLE-3's reduced vocabulary).
     The loss then costs a sixth of the full vocabulary's for SmolLM2's 8,192 of 49,152 tokens, and it
-    trains what drafting with the same vocabulary proposes."""
+    trains what drafting with the same vocabulary proposes. With `teacher_temperature` T, p is the target's
+    distribution at T (softmax of its logits / T): below 1 it leans toward the target's argmax."""
 
     def __init__(self, heads: DraftHeads, adapter: ModelAdapter, loss: str = "kl", recompute_logits: bool = False,
-                 vocab: DraftVocabulary | None = None):  # fmt: skip
+                 vocab: DraftVocabulary | None = None, teacher_temperature: float = 1.0):  # fmt: skip
         super().__init__()
         if loss not in ("kl", "soft_ce"):
             raise ValueError(f"loss must be kl or soft_ce, got {loss!r}")
+        if not teacher_temperature > 0:
+            raise ValueError(f"teacher_temperature must be positive, got {teacher_temperature}")
+        self.teacher_temperature = teacher_temperature
         self.heads = heads
         self._adapter = adapter  # a plain object: the target's norm and LM head stay outside this module
         self.loss = loss
@@ -115,7 +119,7 @@ class DistillationObjective(nn.Module):
         with torch.no_grad():  # the teacher once per batch, shared by every draft
             if self.vocab is not None and logits.shape[-1] != len(self.vocab.ids):
                 logits = logits.index_select(-1, self.vocab.ids)
-            log_p = torch.log_softmax(logits.float(), dim=-1)
+            log_p = torch.log_softmax(logits.float() / self.teacher_temperature, dim=-1)
             p = log_p.exp()  # [batch, T, V]
             # sum_x p log p: KL(p || q) = cross-entropy - entropy of p; 0 for the soft cross-entropy
             negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
