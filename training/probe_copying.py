@@ -104,16 +104,23 @@ def recorded(model, tokenizer, args) -> list[dict]:
     return records
 
 
+def answer_passes(model, records: list[dict]):
+    """Per recorded answer: (the record, its prompt and answer tokens, the [1, T] mask of the positions that predict
+    an answer token, the target pass's hidden states and logits)."""
+    for record in records:
+        tokens = record["prompt"] + record["answer"]
+        ids = torch.tensor([tokens])
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        answer[0, len(record["prompt"]) - 1 : -1] = True
+        yield (record, tokens, answer, *target_pass(model, ids))
+
+
 def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[str]:
     # category -> [copied, other, lookup right, in the draft vocabulary] x [agree, n]
     sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
     in_vocab = None if vocab is None else set(vocab.ids.tolist())
-    for record in records:
-        tokens = record["prompt"] + record["answer"]
-        ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
-        answer = torch.zeros_like(ids, dtype=torch.bool)
-        answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
-        hidden_states, logits = target_pass(model, ids)
+    for record, tokens, answer, hidden_states, logits in answer_passes(model, records):
+        flags = torch.tensor([copyable(tokens)])
         parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
         looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
         draftable = sum(in_vocab is None or token in in_vocab for token in record["answer"])
@@ -150,12 +157,7 @@ def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tens
 def sampled_split(model, adapter, heads, vocab, records: list[dict], temperature: float) -> list[str]:
     """Per category, over the recorded answers' tokens: `sampling_sums`' three acceptances as a table."""
     sums = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))
-    for record in records:
-        tokens = record["prompt"] + record["answer"]
-        ids = torch.tensor([tokens])
-        answer = torch.zeros_like(ids, dtype=torch.bool)
-        answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
-        hidden_states, logits = target_pass(model, ids)
+    for record, _, answer, hidden_states, logits in answer_passes(model, records):
         part = sampling_sums(heads, adapter, hidden_states, logits, vocab, answer, temperature)
         for category in (record.get("category") or "all", "overall"):
             sums[category] += part
