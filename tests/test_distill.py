@@ -390,12 +390,13 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
 
 def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
     """training/probe_copying.py --temperature: one draw from q at T=1 is accepted with score_sums' alpha; as T goes
-    to 0, p_T of the head's best guess becomes its top-1 agreement; three guesses take at least as much as one."""
+    to 0, p_T of the head's best guess becomes its top-1 agreement; three guesses take at least as much as one; the
+    sampling table follows the copy split's, from the same passes."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-    from probe_copying import sampled_split, sampling_sums
+    from probe_copying import sampling_sums, split_by_copying
 
     model = tiny_model("llama")
     adapter = ModelAdapter(model)
@@ -417,6 +418,6 @@ def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
     assert warm[0] <= warm[1] <= warm[3] and 0 < warm[2] <= warm[3]
     record = {"prompt": tokens[0, :9].tolist(), "answer": tokens[0, 9:].tolist(), "category": "x"}
     with torch.no_grad():
-        table = sampled_split(model, adapter, heads, None, [record], 0.7)
+        table = split_by_copying(model, adapter, heads, None, [record], 0.7)
     n = float(warm[3])  # the answer's positions are the mask's: 8 .. 62
     assert table[-1] == f"| overall | {n:.0f} | {warm[0] / n:.3f} | {warm[1] / n:.3f} | {warm[2] / n:.3f} |"

@@ -104,42 +104,6 @@ def recorded(model, tokenizer, args) -> list[dict]:
     return records
 
 
-def answer_passes(model, records: list[dict]):
-    """Per recorded answer: (the record, its prompt and answer tokens, the [1, T] mask of the positions that predict
-    an answer token, the target pass's hidden states and logits)."""
-    for record in records:
-        tokens = record["prompt"] + record["answer"]
-        ids = torch.tensor([tokens])
-        answer = torch.zeros_like(ids, dtype=torch.bool)
-        answer[0, len(record["prompt"]) - 1 : -1] = True
-        yield (record, tokens, answer, *target_pass(model, ids))
-
-
-def split_by_copying(model, adapter, heads, vocab, records: list[dict]) -> list[str]:
-    # category -> [copied, other, lookup right, in the draft vocabulary] x [agree, n]
-    sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
-    in_vocab = None if vocab is None else set(vocab.ids.tolist())
-    for record, tokens, answer, hidden_states, logits in answer_passes(model, records):
-        flags = torch.tensor([copyable(tokens)])
-        parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
-        looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
-        draftable = sum(in_vocab is None or token in in_vocab for token in record["answer"])
-        for category in (record.get("category") or "all", "overall"):
-            for k, part in enumerate(parts):
-                sums[category][k] += part[0]
-            sums[category][2, 0] += looked_up
-            sums[category][3, 0] += draftable
-    lines = ["| category | positions | in the draft vocabulary | copied share | lookup right | top-1, copied | "
-             "top-1, the rest | top-1, all |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for category in sorted(sums, key=lambda c: (c == "overall", c)):
-        (copied, n_copied), (other, n_other), (looked_up, _), (draftable, _) = sums[category].tolist()
-        n = max(1, n_copied + n_other)
-        lines.append(f"| {category} | {n_copied + n_other:.0f} | {draftable / n:.3f} | {n_copied / n:.2f} | "
-                     f"{looked_up / n:.2f} | {copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} | "
-                     f"{(copied + other) / n:.3f} |")  # fmt: skip
-    return lines
-
-
 def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """The first draft at the positions `mask` marks, the target sampling at `temperature`: sums of p_T(the head's
     best guess), of p_T over its 3 best guesses, and of sum_x min(p_T(x), q_T(x)) (one draw from q_T), and the
@@ -154,17 +118,46 @@ def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tens
     return torch.stack([(part.double() * weight).sum() for part in parts] + [weight.sum()])
 
 
-def sampled_split(model, adapter, heads, vocab, records: list[dict], temperature: float) -> list[str]:
-    """Per category, over the recorded answers' tokens: `sampling_sums`' three acceptances as a table."""
-    sums = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))
-    for record, _, answer, hidden_states, logits in answer_passes(model, records):
-        part = sampling_sums(heads, adapter, hidden_states, logits, vocab, answer, temperature)
+def split_by_copying(model, adapter, heads, vocab, records: list[dict], temperature: float | None = None) -> list[str]:
+    """The copy split's table over the recorded answers; with `temperature`, then the sampling table
+    (`sampling_sums`), from the same target pass per record."""
+    # category -> [copied, other, lookup right, in the draft vocabulary] x [agree, n]
+    sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
+    sampled = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))  # category -> sampling_sums
+    in_vocab = None if vocab is None else set(vocab.ids.tolist())
+    for record in records:
+        tokens = record["prompt"] + record["answer"]
+        ids, flags = torch.tensor([tokens]), torch.tensor([copyable(tokens)])
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        answer[0, len(record["prompt"]) - 1 : -1] = True  # the positions that predict an answer token
+        hidden_states, logits = target_pass(model, ids)
+        parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
+        looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
+        draftable = sum(in_vocab is None or token in in_vocab for token in record["answer"])
+        if temperature is not None:
+            drawn = sampling_sums(heads, adapter, hidden_states, logits, vocab, answer, temperature)
         for category in (record.get("category") or "all", "overall"):
-            sums[category] += part
-    lines = [f"| category | positions | best guess at T={temperature} | 3 best guesses | one draw from q |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+            for k, part in enumerate(parts):
+                sums[category][k] += part[0]
+            sums[category][2, 0] += looked_up
+            sums[category][3, 0] += draftable
+            if temperature is not None:
+                sampled[category] += drawn
+    lines = ["| category | positions | in the draft vocabulary | copied share | lookup right | top-1, copied | "
+             "top-1, the rest | top-1, all |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for category in sorted(sums, key=lambda c: (c == "overall", c)):
-        best, three, drawn, n = sums[category].tolist()
+        (copied, n_copied), (other, n_other), (looked_up, _), (draftable, _) = sums[category].tolist()
+        n = max(1, n_copied + n_other)
+        lines.append(f"| {category} | {n_copied + n_other:.0f} | {draftable / n:.3f} | {n_copied / n:.2f} | "
+                     f"{looked_up / n:.2f} | {copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} | "
+                     f"{(copied + other) / n:.3f} |")  # fmt: skip
+    if temperature is None:
+        return lines
+    lines += ["", f"draft 1 with the target sampling at T={temperature}, on the same answers' contexts:", "",
+              f"| category | positions | best guess at T={temperature} | 3 best guesses | one draw from q |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for category in sorted(sampled, key=lambda c: (c == "overall", c)):
+        best, three, drawn, n = sampled[category].tolist()
         n = max(1.0, n)
         lines.append(f"| {category} | {n:.0f} | {best / n:.3f} | {three / n:.3f} | {drawn / n:.3f} |")
     return lines
@@ -199,10 +192,7 @@ def main(argv=None) -> None:
         print("\n".join(repeats(model, adapter, heads, tokenizer, vocab)))
         if records:
             print(f"\ndraft 1 on {len(records)} recorded greedy answers:\n")
-            print("\n".join(split_by_copying(model, adapter, heads, vocab, records)))
-            if args.temperature is not None:
-                print(f"\ndraft 1 with the target sampling at T={args.temperature}, on the same answers' contexts:\n")
-                print("\n".join(sampled_split(model, adapter, heads, vocab, records, args.temperature)))
+            print("\n".join(split_by_copying(model, adapter, heads, vocab, records, args.temperature)))
         print()
 
 
