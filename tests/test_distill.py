@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, chat_tokenizer, tiny_model
 
 from selfspec.adapter import ModelAdapter
 from selfspec.engine.adaptive import best_gamma, expected_tokens, predicted_speedup
@@ -421,3 +421,40 @@ def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
         table = split_by_copying(model, adapter, heads, None, [record], 0.7)
     n = float(warm[3])  # the answer's positions are the mask's: 8 .. 62
     assert table[-1] == f"| overall | {n:.0f} | {warm[0] / n:.3f} | {warm[1] / n:.3f} | {warm[2] / n:.3f} |"
+
+
+def test_the_copy_probe_reads_greedy_first_turns_of_a_chat_data_set(tmp_path):
+    """training/probe_copying.py --data: per kind, the first --per_kind greedy rows' first turns, the prompt as
+    the template renders it for generation and the answer as the model generated it (through its end-of-turn
+    token), cut to --max_new_tokens; sampled rows are skipped, a row that is not packed chat is named."""
+    import gzip
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    from probe_copying import data_records
+
+    def row(kind, sampled, user, answer, follow_up=None):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        if follow_up:
+            messages += [{"role": "user", "content": follow_up}, {"role": "assistant", "content": "w9"}]
+        return {"kind": kind, "sampled": sampled, "messages": messages}
+
+    rows = [row("qa", True, "w1", "w2 w3"), row("qa", False, "w1 w4", "w5 w6 w7", "w8"),
+            row("qa", False, "w2", "w3"), row("rag", False, "w6", "w7")]  # fmt: skip
+    path = tmp_path / "heldout.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = chat_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    records = data_records([str(path)], tokenizer, per_kind=1, max_new_tokens=8)
+    assert [r["category"] for r in records] == ["qa", "rag"]  # the sampled row and the second greedy qa row left
+    assert records[0]["prompt"] == ids(["user", ":", "w1", "w4", "assistant", ":"])
+    assert records[0]["answer"] == ids(["w5", "w6", "w7", "</s>"])  # the first turn only
+    two = data_records([str(path)], tokenizer, per_kind=2, max_new_tokens=2)
+    assert [r["answer"] for r in two] == [ids(["w5", "w6"]), ids(["w3", "</s>"]), ids(["w7", "</s>"])]
+    bad = tmp_path / "plain.jsonl"
+    bad.write_text(json.dumps({"text": "w1 w2"}) + "\n")
+    with pytest.raises(ValueError, match="plain.jsonl: row 1 is not a packed chat row"):
+        data_records([str(bad)], tokenizer, 1, 8)

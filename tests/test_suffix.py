@@ -9,7 +9,7 @@ import torch
 from test_families import batched_counts
 from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
-from tiny_models import padded_prompts, random_prompt, tiny_model
+from tiny_models import chat_tokenizer, padded_prompts, random_prompt, tiny_model
 
 from selfspec import NGramDrafter, SelfSpeculative, SuffixDrafter
 from selfspec.drafters.suffix import SuffixIndex, best_continuation, continuation_tree
@@ -185,24 +185,6 @@ def test_bench_keeps_a_prompts_own_earlier_answers_out_of_the_memory():
     rows = run_bench([generate_contender(model, "generate", False, 1.0), fresh], prompts, 10, repeats=2)
     # the warm-up's answer and the first repeat's went before each prompt ran again: the last answer to each is left
     assert rows[1]["matched"] is True and len(fresh.spec.drafter.cache) == 2
-
-
-def chat_tokenizer():
-    """Word-level tokens w0..w39 and the specials; a chat template whose assistant turns end with </s>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, "user": 3, "assistant": 4, ":": 5} | {f"w{i}": 6 + i for i in range(40)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}{% if m['role'] == 'assistant' %} </s>{% endif %}"
-        " {% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
-    )
-    return tokenizer
 
 
 def test_chat_answers_are_the_assistant_turns_as_generated(tmp_path):

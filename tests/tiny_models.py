@@ -160,3 +160,21 @@ def padded_prompts(lengths: list[int], seed: int = 0, pad: int = 0) -> tuple[tor
         ids[row, width - length :] = random_prompt(length, seed=seed + row)[0]
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def chat_tokenizer():
+    """Word-level tokens w0..w39 and the specials; a chat template whose assistant turns end with </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, "user": 3, "assistant": 4, ":": 5} | {f"w{i}": 6 + i for i in range(40)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}{% if m['role'] == 'assistant' %} </s>{% endif %}"
+        " {% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    return tokenizer

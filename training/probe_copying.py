@@ -16,6 +16,12 @@
    best first guesses takes at its first level), and one draw from the head's q at T (sum of min(p_T, q_T)).
    Contexts are the greedy answers', not sampled ones.
 
+`--data` reads the answers from a chat data set instead (`training/make_chat_data.py`'s packed rows): the first
+turn of the first `--per_kind` greedy rows of each kind, cut to `--max_new_tokens`, the kind as the category. The
+same measures on the target's answers to the instructions the heads learnt from (their held-out split) tell a gap
+of distribution from one of the measure: the trainer's held-out figures cover every answer position of packed
+2,048-token rows, sampled answers too.
+
     python training/probe_copying.py --heads heads/smollm2-135m-instruct/eagle-head \\
         --prompts specbench_dev.jsonl --limit_per_category 4 --records runs/copy_records.json
 """
@@ -23,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +37,7 @@ from pathlib import Path
 import torch
 
 from selfspec.adapter import ModelAdapter
+from selfspec.chat import conversation_answers
 from selfspec.cli.options import encode
 from selfspec.heads import load_heads
 from selfspec.measure.prompts import first_per_category, read_prompts
@@ -104,6 +112,29 @@ def recorded(model, tokenizer, args) -> list[dict]:
     return records
 
 
+def data_records(paths: list[str], tokenizer, per_kind: int, max_new_tokens: int) -> list[dict]:
+    """Records of a chat data set's greedy first turns: per kind, the first `per_kind` rows whose `sampled` is
+    false, the prompt as the chat template renders the first user turn for generation, the answer as the rendered
+    conversation holds its tokens (`conversation_answers`), cut to `max_new_tokens`."""
+    records, taken = [], defaultdict(int)
+    for path in paths:
+        with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                row = json.loads(line)
+                if "messages" not in row or "sampled" not in row:
+                    raise ValueError(f"{path}: row {number} is not a packed chat row (`messages` and `sampled`)")
+                kind = row.get("kind") or "all"
+                if row["sampled"] or taken[kind] >= per_kind:
+                    continue
+                messages = row["messages"][:2]
+                prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+                answer = conversation_answers(tokenizer, messages)[0][:max_new_tokens]
+                ids = tokenizer(prompt, add_special_tokens=False).input_ids
+                records.append({"prompt": ids, "answer": answer, "category": kind})
+                taken[kind] += 1
+    return records
+
+
 def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """The first draft at the positions `mask` marks, the target sampling at `temperature`: sums of p_T(the head's
     best guess), of p_T over its 3 best guesses, and of sum_x min(p_T(x), q_T(x)) (one draw from q_T), and the
@@ -175,17 +206,28 @@ def main(argv=None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--records", default=None,
                         help="JSON of answers: read if it exists (whatever --prompts says), else recorded")  # fmt: skip
+    parser.add_argument("--data", default=None,
+                        help="packed chat files, comma-separated: their greedy answers, not --prompts")  # fmt: skip
+    parser.add_argument("--per_kind", type=int, default=5, help="with --data: rows per kind")
     parser.add_argument("--temperature", type=float, default=None,
                         help="the first draft's acceptance when the target samples at this T too")  # fmt: skip
     parser.add_argument("--num_threads", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.temperature is not None and not (args.temperature > 0 and (args.prompts or args.records)):
-        parser.error("--temperature needs a positive value and recorded answers (--prompts or --records)")
+    answers = bool(args.prompts or args.records or args.data)
+    if args.temperature is not None and not (args.temperature > 0 and answers):
+        parser.error("--temperature needs a positive value and recorded answers (--prompts, --records or --data)")
+    if args.data and (args.prompts or args.records):
+        parser.error("--data reads its answers from the data set: without --prompts and --records")
+    if args.per_kind < 1:
+        parser.error(f"--per_kind {args.per_kind}: at least one row per kind")
     torch.set_num_threads(args.num_threads)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     adapter = ModelAdapter(model)
     vocab = adapter.draft_vocabulary(args.draft_vocab) if args.draft_vocab != "none" else None
-    records = recorded(model, tokenizer, args) if args.prompts or args.records else None
+    if args.data:
+        records = data_records(args.data.split(","), tokenizer, args.per_kind, args.max_new_tokens)
+    else:
+        records = recorded(model, tokenizer, args) if answers else None
     for path in args.heads:
         heads = load_heads(path, adapter).eval()
         print(f"## {path}")
