@@ -458,3 +458,6 @@ def test_the_copy_probe_reads_greedy_first_turns_of_a_chat_data_set(tmp_path):
     bad.write_text(json.dumps({"text": "w1 w2"}) + "\n")
     with pytest.raises(ValueError, match="plain.jsonl: row 1 is not a packed chat row"):
         data_records([str(bad)], tokenizer, 1, 8)
+    bad.write_text(json.dumps(row("qa", False, "w1", "w2")) + "\nnot json\n")
+    with pytest.raises(ValueError, match="plain.jsonl: row 2 is not a packed chat row"):
+        data_records([str(bad)], tokenizer, 5, 8)

@@ -120,15 +120,21 @@ def data_records(paths: list[str], tokenizer, per_kind: int, max_new_tokens: int
     for path in paths:
         with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
-                row = json.loads(line)
-                if "messages" not in row or "sampled" not in row:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if not isinstance(row, dict) or "messages" not in row or "sampled" not in row:
                     raise ValueError(f"{path}: row {number} is not a packed chat row (`messages` and `sampled`)")
                 kind = row.get("kind") or "all"
                 if row["sampled"] or taken[kind] >= per_kind:
                     continue
                 messages = row["messages"][:2]
                 prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
-                answer = conversation_answers(tokenizer, messages)[0][:max_new_tokens]
+                answers = conversation_answers(tokenizer, messages)
+                if not answers:
+                    raise ValueError(f"{path}: row {number} has no assistant answer in its first turn")
+                answer = answers[0][:max_new_tokens]
                 ids = tokenizer(prompt, add_special_tokens=False).input_ids
                 records.append({"prompt": ids, "answer": answer, "category": kind})
                 taken[kind] += 1
