@@ -10,6 +10,14 @@ import os
 from pathlib import Path
 
 
+def open_text(path: str | os.PathLike, errors: str = "strict"):
+    """A text file, or a gzip-compressed one by its `.gz` name, open for reading as UTF-8 (`errors` as `open`'s:
+    "replace" puts U+FFFD for bad bytes)."""
+    if str(path).lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors=errors)
+    return open(path, encoding="utf-8", errors=errors)
+
+
 def answer_spans(tokenizer, messages: list[dict], text: str) -> list[list[int]]:
     """The character spans of the assistant turns in the rendered conversation `text`: from the end of the
     conversation before the turn (with the generation prompt) to the end of the conversation up to it."""
@@ -57,9 +65,8 @@ def chat_answers(path: str | os.PathLike, tokenizer, max_tokens: int | None = No
         raise ValueError(f"{path}: reading chat answers needs a tokenizer with a chat template")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path}: reading chat answers needs a fast tokenizer (its offsets place the answers)")
-    opener = gzip.open if path.name.endswith(".gz") else open
     answers, total = [], 0
-    with opener(path, "rt", encoding="utf-8") as lines:
+    with open_text(path) as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

@@ -31,7 +31,7 @@ from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
 from selfspec.measure.profile import evaluate
 from selfspec.training.config import DataConfig
-from selfspec.training.data import copy_pool, copy_rows, load_rows
+from selfspec.training.data import copy_pool, copy_rows, first_of_each_answer, load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(20)]
@@ -635,6 +635,44 @@ def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
         assert reported == pytest.approx(copied["copying"][draft]["top1"], abs=1e-5)
         assert copied["copying"][draft]["top1"] > copied["not-copying"][draft]["top1"] + 0.1
     assert records[-1]["eval/copy_top1/eagle_0"] > records[0]["eval/copy_top1/eagle_0"] + 0.1
+
+
+def test_the_first_tokens_of_each_answer_are_scored_apart(world, monkeypatch):
+    """eval.answer_tokens: each held-out evaluation also scores the first N positions of each answer alone (what
+    a benchmark of N new tokens drafts), into metrics.jsonl and the card, from the same forward."""
+    marks = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1], [0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    cut = [[1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1], [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
+    assert first_of_each_answer(marks, 2).int().tolist() == cut
+    assert torch.equal(first_of_each_answer(marks, 11), marks) and not first_of_each_answer(marks, 0).any()
+
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    runs, save_heads = [], train_heads.Run.save_heads
+
+    def save_and_keep(run, rows, lora=None):
+        save_heads(run, rows, lora)
+        runs.append(run)
+
+    monkeypatch.setattr(train_heads.Run, "save_heads", save_and_keep)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
+    train_in_process(write_config(world, "first", **overrides, **{"train.max_steps": 4, "eval.answer_tokens": 5}))
+    record = [json.loads(line) for line in (world["root"] / "first" / "run" / "metrics.jsonl").open()][-1]
+    rows, masks = runs[-1].eval_rows, runs[-1].eval_masks
+    first = first_of_each_answer(masks, 5)
+    assert 0 < first.sum() < masks.sum()  # a real cut of the held-out positions
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    adapter = ModelAdapter(model)
+    heads = load_heads(world["root"] / "first" / "heads", adapter)
+    scores = evaluate(model, adapter, {"all": heads, "first": heads}, rows, 4, masks={"all": masks, "first": first})
+    for draft in ("eagle_0", "eagle_1"):  # the record is rounded to 5 decimals
+        assert record[f"eval/top1/{draft}"] == pytest.approx(scores["all"][draft]["top1"], abs=1e-5)
+        assert record[f"eval/first_top1/{draft}"] == pytest.approx(scores["first"][draft]["top1"], abs=1e-5)
+        assert record[f"eval/first_chain/{draft}"] == pytest.approx(scores["first"][draft]["chain"], abs=1e-5)
+    assert scores["first"]["eagle_1"]["chain"] != scores["all"]["eagle_1"]["chain"]
+    assert "top-1, first 5 of each answer" in (world["root"] / "first" / "heads" / "README.md").read_text()
 
 
 def test_draft_lora_trains_with_the_heads_and_its_gain_goes_in_the_card(world, monkeypatch):

@@ -20,7 +20,6 @@ command writes the same bytes.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import statistics
@@ -30,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_data import card  # noqa: E402
+
+from selfspec.chat import open_text  # noqa: E402
 
 SOURCES = ("training/data/smollm2-chat/train.jsonl.gz", "training/data/smollm2-prose/train.jsonl.gz")
 ASKS = (
@@ -46,7 +47,7 @@ def source_texts(paths) -> list[str]:
     """The user turns of the source conversations (their passages, messages and questions), in file order."""
     texts = []
     for path in paths:
-        with gzip.open(path, "rt", encoding="utf-8") as file:
+        with open_text(path) as file:
             rows = [json.loads(line) for line in file if line.strip()]
         for row in rows:
             texts += [m["content"] for m in row["messages"] if m["role"] == "user"]

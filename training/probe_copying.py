@@ -29,7 +29,6 @@ of distribution from one of the measure: the trainer's held-out figures cover ev
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from selfspec.adapter import ModelAdapter
-from selfspec.chat import conversation_answers
+from selfspec.chat import conversation_answers, open_text
 from selfspec.cli.options import encode
 from selfspec.heads import load_heads
 from selfspec.measure.prompts import first_per_category, read_prompts
@@ -118,7 +117,7 @@ def data_records(paths: list[str], tokenizer, per_kind: int, max_new_tokens: int
     conversation holds its tokens (`conversation_answers`), cut to `max_new_tokens`."""
     records, taken = [], defaultdict(int)
     for path in paths:
-        with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
+        with open_text(path) as f:
             for number, line in enumerate(f, 1):
                 try:
                     row = json.loads(line)

@@ -47,7 +47,7 @@ from selfspec.measure.profile import (
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.training.data import copy_pool, copy_rows, load_rows, row_tensors
+from selfspec.training.data import copy_pool, copy_rows, first_of_each_answer, load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
 from selfspec.training.feature_cache import FeatureCache, rows_digest
 
@@ -252,20 +252,26 @@ class Run:
         def reduce(totals):
             return acc.reduce(totals, reduction="sum")
 
+        sets = {"heads": heads}
         if rows is None:
             shard = self.eval_rows[acc.process_index :: acc.num_processes]
-            masks = self.eval_masks[acc.process_index :: acc.num_processes]
+            masks = {"heads": self.eval_masks[acc.process_index :: acc.num_processes]}
+            if self.config.eval.answer_tokens:  # the same heads again, on the answers' first tokens alone
+                sets["first"] = heads
+                masks["first"] = first_of_each_answer(masks["heads"], self.config.eval.answer_tokens)
         else:
             shard, reduce = rows, None
         training, _ = heads.training, heads.eval()  # no dropout while evaluating (lora.dropout)
         try:
             with acc.autocast():
                 scores = evaluate(
-                    self.model, self.adapter, {"heads": heads}, shard, self.config.eval.batch_size, reduce,
-                    vocabs={"heads": self.vocab}, masks=masks,
+                    self.model, self.adapter, sets, shard, self.config.eval.batch_size, reduce,
+                    vocabs=dict.fromkeys(sets, self.vocab), masks=masks,
                 )  # fmt: skip
         finally:
             heads.train(training)
+        for draft, first in scores.get("first", {}).items():
+            scores["heads"][draft].update({"first_top1": first["top1"], "first_chain": first["chain"]})
         return scores["heads"]
 
     def report(self, costs, scores: dict | None = None) -> list[dict]:
@@ -276,13 +282,18 @@ class Run:
         baseline = "start" if self.config.heads.init_from else "untrained"
         max_gamma = self.config.eval.max_gamma
         rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
+        for row in rows:  # eval.answer_tokens: the answers' first tokens alone
+            for key in ("first_top1", "first_chain"):
+                if key in progress.trained[row["draft"]]:
+                    row[key], row["first_tokens"] = progress.trained[row["draft"]][key], self.config.eval.answer_tokens
         if self.copy_pool is not None:  # how well the heads copy: top-1 on the held-out copy rows
             copied = self.evaluate(self.heads, *self.copy_eval)
             for row in rows:
                 row["copy_top1"] = copied[row["draft"]]["top1"]
         record = {"step": progress.step, "tokens_seen": progress.tokens_seen}
+        keys = ("alpha", "top1", "kl", "chain", "conditional", "untrained_alpha", "c", "speedup")
         for row in rows:
-            for key in ("alpha", "top1", "kl", "chain", "conditional", "untrained_alpha", "c", "speedup", "copy_top1"):
+            for key in keys + ("first_top1", "first_chain", "copy_top1"):
                 if key in row:  # c and the speedup are measured on the main process only
                     record[f"eval/{key}/{row['draft']}"] = round(row[key], 5)
         record["eval/alpha_mean"] = sum(row["alpha"] for row in rows) / len(rows)

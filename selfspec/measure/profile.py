@@ -39,19 +39,20 @@ def evaluate(
     batch_size: int,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     vocabs: dict[str, DraftVocabulary] | None = None,
-    masks: torch.Tensor | None = None,
+    masks: torch.Tensor | dict[str, torch.Tensor | None] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Mean KL, alpha, top-1 agreement and chain agreement (`score_sums`) per draft of each heads set,
     {label: {draft: {metric: value}}}, from one target forward per batch of `rows`, over the positions that
-    `masks` marks (all without them); `reduce` sums the totals over processes; `vocabs` gives a set's draft
-    LM head (reduced or int8) by label."""
+    `masks` marks (all without them; a dict gives each label its own); `reduce` sums the totals over
+    processes; `vocabs` gives a set's draft LM head (reduced or int8) by label."""
     totals = {label: None for label in heads}
     device = adapter.device
-    mask_batches = masks.split(batch_size) if masks is not None else [None] * len(rows.split(batch_size))
-    for batch, mask in zip(rows.split(batch_size), mask_batches, strict=True):
+    masks = masks if isinstance(masks, dict) else dict.fromkeys(heads, masks)
+    mask_batches = {label: m.split(batch_size) if m is not None else None for label, m in masks.items()}
+    for index, batch in enumerate(rows.split(batch_size)):
         hidden_states, logits = target_pass(model, batch.to(device))
-        mask = mask.to(device) if mask is not None else None
         for label, h in heads.items():
+            mask = mask_batches[label][index].to(device) if mask_batches[label] is not None else None
             sums = score_sums(h, adapter, hidden_states, logits, (vocabs or {}).get(label), mask)
             totals[label] = sums if totals[label] is None else totals[label] + sums
     result = {}
@@ -161,6 +162,11 @@ def format_table(rows: list[dict]) -> str:
         columns += [("draft_c", "c, draft head", "{:.3f}")]
     if rows and "copy_top1" in rows[0]:
         columns += [("copy_top1", "top-1 on copy rows", "{:.3f}")]
+    if rows and "first_top1" in rows[0]:
+        first = f"first {rows[0]['first_tokens']} of each answer"
+        columns += [("first_top1", f"top-1, {first}", "{:.3f}")]
+        if not rows[0]["draft"].startswith("exit"):
+            columns += [("first_chain", f"chain top-1, {first}", "{:.3f}")]
     cells = [[title for _, title, _ in columns]] + [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in cells]

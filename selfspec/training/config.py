@@ -297,12 +297,17 @@ class EvalConfig:
     timing_repeats: int = 20  # timed repetitions per measurement (the median is used)
     max_gamma: int = 8  # the predicted speedup is maximised over gamma = 1..max_gamma
     measure_v: bool = False  # also measure v(gamma) = verify(gamma+1 positions) / one step; else v = 1
+    # also score the first N positions of each answer alone (eval/first_top1, eval/first_chain): a benchmark that
+    # generates N new tokens drafts there, while the whole answers' figure leans on the repetitive tails of long
+    # ones; 0: not
+    answer_tokens: int = 128
     # write the heads and their card to heads_dir at every evaluation, not only at the end: a run that a session's
     # end stops leaves its last evaluated heads to try and commit (a later --resume carries on)
     save_heads: bool = True
 
     def __post_init__(self):
         _at_least("eval", self, 1, ("every", "max_rows", "batch_size", "timing_context", "timing_repeats", "max_gamma"))
+        _at_least("eval", self, 0, ("answer_tokens",))
 
 
 @dataclass

@@ -13,7 +13,6 @@ text and its end-of-turn tokens), so the heads learn what the model answers, not
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
 import sysconfig
@@ -26,7 +25,7 @@ from pathlib import Path
 import datasets
 import torch
 
-from ..chat import answer_spans
+from ..chat import answer_spans, open_text
 from .config import DataConfig
 
 JSON_SUFFIXES = {".json", ".jsonl"}
@@ -127,14 +126,14 @@ def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
         label = "row"
     elif path.lower().removesuffix(".gz").endswith(".jsonl"):
         records, label = [], "line"
-        with _open_text(path) as f:
+        with open_text(path, errors="replace") as f:
             for line in f:
                 try:
                     records.append(json.loads(line) if line.strip() else None)
                 except json.JSONDecodeError as error:
                     records.append(f"not JSON ({error.msg})")
     else:
-        with _open_text(path) as f:
+        with open_text(path, errors="replace") as f:
             records, label = json.load(f), "item"
         records = records if isinstance(records, list) else [records]
     kept, bad = [], []
@@ -154,13 +153,6 @@ def _checked_rows(kind: str, path: str, config: DataConfig) -> datasets.Dataset:
     if not kept:
         raise ValueError(f"{path}: no usable rows")
     return datasets.Dataset.from_list(kept)
-
-
-def _open_text(path: str):
-    """A text file, or a gzip-compressed one by its `.gz` name, as UTF-8 with bad bytes replaced."""
-    if path.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
 
 
 def _row_problem(record, config: DataConfig) -> str | None:
@@ -289,6 +281,14 @@ def row_tensors(rows: datasets.Dataset, indices) -> tuple[torch.Tensor, torch.Te
     from the data set once."""
     picked = rows[list(indices)]
     return torch.tensor(picked["input_ids"], dtype=torch.long), torch.tensor(picked["loss_mask"], dtype=torch.bool)
+
+
+def first_of_each_answer(masks: torch.Tensor, count: int) -> torch.Tensor:
+    """`masks` (`[rows, seq_len]` bool, `row_tensors`) kept at the first `count` positions of each run of marked
+    positions: the first `count` tokens of each answer (an answer cut by a row's start counts from there)."""
+    index = torch.arange(masks.shape[-1], device=masks.device).expand_as(masks)
+    last_unmarked = torch.where(masks, -1, index).cummax(dim=-1).values  # -1 before a row's first unmarked position
+    return masks & (index - last_unmarked <= count)
 
 
 def copy_pool(vocab_size: int, special_ids, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
