@@ -330,10 +330,12 @@ def test_profile_command_prints_untrained_and_trained_alpha(world, baseline, cap
     output = world["root"] / "profile"
     args = ["profile", "--model", str(world["target"]), "--heads", str(world["root"] / baseline / "heads")]
     args += ["--data", str(world["data"] / "heldout"), "--seq_len", "32", "--max_rows", "8", "--output", str(output)]
-    assert main(args + ["--timing_repeats", "3", "--timing_context", "16", "--max_gamma", "4"]) == 0
+    args += ["--timing_repeats", "3", "--timing_context", "16", "--max_gamma", "4", "--answer_tokens", "6"]
+    assert main(args) == 0
     printed = capsys.readouterr().out
     for column in ("untrained alpha", "trained alpha", "c", "predicted speedup", "exit_1", "exit_3"):
         assert column in printed
+    assert "top-1, first 6 of each answer" in printed and "chain top-1, first" not in printed  # exits: no chain
     assert (output / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
 
 

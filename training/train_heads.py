@@ -44,6 +44,7 @@ from selfspec.measure.profile import (
     plot_alpha,
     report_rows,
     wandb_objects,
+    with_first_tokens,
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
@@ -270,8 +271,8 @@ class Run:
                 )  # fmt: skip
         finally:
             heads.train(training)
-        for draft, first in scores.get("first", {}).items():
-            scores["heads"][draft].update({"first_top1": first["top1"], "first_chain": first["chain"]})
+        if "first" in scores:
+            return with_first_tokens(scores["heads"], scores["first"], self.config.eval.answer_tokens)
         return scores["heads"]
 
     def report(self, costs, scores: dict | None = None) -> list[dict]:
@@ -282,10 +283,6 @@ class Run:
         baseline = "start" if self.config.heads.init_from else "untrained"
         max_gamma = self.config.eval.max_gamma
         rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
-        for row in rows:  # eval.answer_tokens: the answers' first tokens alone
-            for key in ("first_top1", "first_chain"):
-                if key in progress.trained[row["draft"]]:
-                    row[key], row["first_tokens"] = progress.trained[row["draft"]][key], self.config.eval.answer_tokens
         if self.copy_pool is not None:  # how well the heads copy: top-1 on the held-out copy rows
             copied = self.evaluate(self.heads, *self.copy_eval)
             for row in rows:

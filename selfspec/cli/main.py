@@ -82,6 +82,7 @@ def run_profile(args: argparse.Namespace) -> int:
         timing_repeats=args.timing_repeats,
         max_gamma=args.max_gamma,
         measure_v=args.measure_v,
+        answer_tokens=args.answer_tokens,
     )
     vocab = None
     if args.draft_vocab or args.draft_quant:

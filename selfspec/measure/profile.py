@@ -19,12 +19,14 @@ from ..adapter import DraftVocabulary, ModelAdapter
 from ..heads import DraftHeads
 from ..heads.base import Costs
 from ..training.config import EvalConfig, TrainHeadsConfig
+from ..training.data import first_of_each_answer
 from ..training.distill import score_sums, target_pass
 from .bench import markdown_table
 from .costs import measure_costs
 
 METRICS = ("kl", "alpha", "top1", "chain")
 COLUMNS = {"kl": 0, "alpha": 1, "top1": 2, "chain": 4}  # of `score_sums`; column 3 counts the positions
+FIRST = ("first_top1", "first_chain", "first_tokens")  # `with_first_tokens`
 
 
 # ---------------------------------------------------------------------------------------- evaluate
@@ -67,6 +69,14 @@ def evaluate(
     return result
 
 
+def with_first_tokens(scores: dict, first: dict, tokens: int) -> dict:
+    """`scores` per draft (`evaluate`'s) with `first`'s top-1 and chain, measured on the first `tokens` of each
+    answer alone (`first_of_each_answer`), added as first_top1 and first_chain (and first_tokens: N)."""
+    for draft, measured in first.items():
+        scores[draft].update(first_top1=measured["top1"], first_chain=measured["chain"], first_tokens=tokens)
+    return scores
+
+
 def untrained_like(heads: DraftHeads) -> DraftHeads:
     """Fresh heads of the same shape (`DraftHeads.untrained_copy`): each draft is the untrained exit (or the
     target's next-token head)."""
@@ -103,10 +113,14 @@ def profile_heads(
     sets = {"untrained": heads.untrained_copy(), "trained": heads} if trained else {"untrained": heads}
     if vocab is not None:
         sets["draft head"] = heads
-    masks = masks[: config.max_rows] if masks is not None else None
+    masks = dict.fromkeys(sets, masks[: config.max_rows] if masks is not None else None)
+    if trained and masks["trained"] is not None and config.answer_tokens:  # the answers' first tokens alone
+        sets["first"], masks["first"] = heads, first_of_each_answer(masks["trained"], config.answer_tokens)
     scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab},
                       masks=masks)  # fmt: skip
     costs = measure(adapter, heads, rows, config)
+    if "first" in scores:
+        with_first_tokens(scores["trained"], scores["first"], config.answer_tokens)
     result = report_rows(heads, scores["untrained"], scores.get("trained"), costs, config.max_gamma)
     if vocab is not None:
         draft_costs = measure(adapter, heads, rows, config, vocab)
@@ -141,6 +155,7 @@ def report_rows(
             # greedy acceptance of draft j given drafts 1..j-1 were accepted (the chain's agreement ratio)
             before = rows[-1]["chain"] if rows else 1.0
             row["conditional"] = row["chain"] / before if before > 0 else 0.0
+            row.update({key: trained[name][key] for key in FIRST if key in trained[name]})
         row.update(speed.get(name, {}))
         rows.append(row)
     return rows
