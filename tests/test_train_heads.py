@@ -335,7 +335,7 @@ def test_profile_command_prints_untrained_and_trained_alpha(world, baseline, cap
     printed = capsys.readouterr().out
     for column in ("untrained alpha", "trained alpha", "c", "predicted speedup", "exit_1", "exit_3"):
         assert column in printed
-    assert "top-1, first 6 of each answer" in printed and "chain top-1, first" not in printed  # exits: no chain
+    assert "first 6 of each answer" not in printed  # plain text: no answers
     assert (output / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -639,13 +639,16 @@ def test_copy_rows_teach_an_eagle_head_to_copy(world, monkeypatch):
     assert records[-1]["eval/copy_top1/eagle_0"] > records[0]["eval/copy_top1/eagle_0"] + 0.1
 
 
-def test_the_first_tokens_of_each_answer_are_scored_apart(world, monkeypatch):
+def test_the_first_tokens_of_each_answer_are_scored_apart(world, monkeypatch, capsys):
     """eval.answer_tokens: each held-out evaluation also scores the first N positions of each answer alone (what
     a benchmark of N new tokens drafts), into metrics.jsonl and the card, from the same forward."""
     marks = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1], [0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    cut = [[1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1], [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
+    cut = [[0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1], [0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]]  # a run at a row's start: left out
     assert first_of_each_answer(marks, 2).int().tolist() == cut
-    assert torch.equal(first_of_each_answer(marks, 11), marks) and not first_of_each_answer(marks, 0).any()
+    whole = marks.clone()
+    whole[0, :3] = False  # the runs that start within their rows, whole
+    assert torch.equal(first_of_each_answer(marks, 11), whole) and not first_of_each_answer(marks, 0).any()
+    assert not first_of_each_answer(torch.ones(2, 11, dtype=torch.bool), 4).any()  # plain text: one run per row
 
     sys.path.insert(0, str(ROOT / "training"))
     import train_heads
@@ -659,8 +662,15 @@ def test_the_first_tokens_of_each_answer_are_scored_apart(world, monkeypatch):
 
     monkeypatch.setattr(train_heads.Run, "save_heads", save_and_keep)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    rng = random.Random(5)  # held-out chats: the loss (and the evaluation) on the assistant's answers alone
+    chats = world["root"] / "chats.jsonl"
+    with open(chats, "w") as f:
+        for _ in range(24):
+            turns = [("user", sentence(rng, world["successors"], 2)), ("assistant", sentence(rng, world["successors"]))]
+            f.write(json.dumps({"messages": [{"role": role, "content": text} for role, text in turns]}) + "\n")
     overrides = {"heads.kind": "eagle", "heads.layout": "eagle3", "heads.feature_layers": [0, 2], "heads.unroll": 2}
-    train_in_process(write_config(world, "first", **overrides, **{"train.max_steps": 4, "eval.answer_tokens": 5}))
+    overrides.update({"data.heldout_files": str(chats), "train.max_steps": 4, "eval.answer_tokens": 5})
+    train_in_process(write_config(world, "first", **overrides))
     record = [json.loads(line) for line in (world["root"] / "first" / "run" / "metrics.jsonl").open()][-1]
     rows, masks = runs[-1].eval_rows, runs[-1].eval_masks
     first = first_of_each_answer(masks, 5)
@@ -675,6 +685,17 @@ def test_the_first_tokens_of_each_answer_are_scored_apart(world, monkeypatch):
         assert record[f"eval/first_chain/{draft}"] == pytest.approx(scores["first"][draft]["chain"], abs=1e-5)
     assert scores["first"]["eagle_1"]["chain"] != scores["all"]["eagle_1"]["chain"]
     assert "top-1, first 5 of each answer" in (world["root"] / "first" / "heads" / "README.md").read_text()
+    from selfspec.cli.main import main  # selfspec profile on the same rows prints the same figures
+
+    args = ["profile", "--model", str(world["target"]), "--heads", str(world["root"] / "first" / "heads")]
+    args += ["--data", str(chats), "--seq_len", "32", "--max_rows", "16", "--answer_tokens", "5"]
+    capsys.readouterr()
+    assert main(args + ["--timing_repeats", "3", "--timing_context", "16", "--max_gamma", "4", "--output",
+                        str(world["root"] / "first" / "profile")]) == 0  # fmt: skip
+    lines = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    column = [cell.strip() for cell in lines[0]].index("top-1, first 5 of each answer")
+    printed = {cells[1].strip(): float(cells[column]) for cells in lines[2:]}
+    assert printed == {d: pytest.approx(scores["first"][d]["top1"], abs=6e-4) for d in ("eagle_0", "eagle_1")}
 
 
 def test_draft_lora_trains_with_the_heads_and_its_gain_goes_in_the_card(world, monkeypatch):

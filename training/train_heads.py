@@ -216,6 +216,9 @@ class Run:
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
         self.eval_rows, self.eval_masks = row_tensors(self.rows.heldout, range(min(held, len(self.rows.heldout))))
+        answer_tokens = config.eval.answer_tokens  # None where no held-out answer starts within a row (plain text)
+        self.eval_first = first_of_each_answer(self.eval_masks, answer_tokens) if answer_tokens else None
+        self.eval_first = self.eval_first if self.eval_first is not None and self.eval_first.any() else None
         if accelerator.is_main_process:
             save_config(config, self.out / "config.yaml")
 
@@ -246,8 +249,11 @@ class Run:
         hidden_states = self.cache.hidden_states(index, batch, lambda ids: target_states(self.model, ids))
         return hidden_states, self.adapter.lm_logits(hidden_states[-1], vocab=self.train_vocab)
 
-    def evaluate(self, heads: DraftHeads, rows: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> dict:
-        """Scores per draft on the held-out rows (or on `rows` with their `masks`, the same on every process)."""
+    def evaluate(
+        self, heads: DraftHeads, rows: torch.Tensor | None = None, masks: torch.Tensor | None = None, first=False
+    ) -> dict:
+        """Scores per draft on the held-out rows (or on `rows` with their `masks`, the same on every process);
+        `first`: also on the held-out answers' first eval.answer_tokens tokens alone (first_top1, first_chain)."""
         acc = self.accelerator
 
         def reduce(totals):
@@ -257,9 +263,8 @@ class Run:
         if rows is None:
             shard = self.eval_rows[acc.process_index :: acc.num_processes]
             masks = {"heads": self.eval_masks[acc.process_index :: acc.num_processes]}
-            if self.config.eval.answer_tokens:  # the same heads again, on the answers' first tokens alone
-                sets["first"] = heads
-                masks["first"] = first_of_each_answer(masks["heads"], self.config.eval.answer_tokens)
+            if first and self.eval_first is not None:  # the same heads again: one target forward serves both
+                sets["first"], masks["first"] = heads, self.eval_first[acc.process_index :: acc.num_processes]
         else:
             shard, reduce = rows, None
         training, _ = heads.training, heads.eval()  # no dropout while evaluating (lora.dropout)
@@ -279,7 +284,7 @@ class Run:
         """Evaluate the heads on the held-out rows (or take their `scores`, already evaluated); log the figures to
         the tracker, metrics.jsonl and the plot."""
         acc, progress = self.accelerator, self.progress
-        progress.trained = self.evaluate(self.heads) if scores is None else scores
+        progress.trained = self.evaluate(self.heads, first=True) if scores is None else scores
         baseline = "start" if self.config.heads.init_from else "untrained"
         max_gamma = self.config.eval.max_gamma
         rows = report_rows(self.heads, progress.untrained, progress.trained, costs, max_gamma, baseline)
@@ -316,7 +321,9 @@ class Run:
                 progress.tracker_run_id = acc.get_tracker("wandb", unwrap=True).id
         started_from = config.heads.init_from is not None  # its heads at step 0 are the baseline
         if progress.untrained is None:  # the baseline: fresh heads, or the heads.init_from start before any step
-            progress.untrained = self.evaluate(self.heads if started_from else self.heads.untrained_copy())
+            # a start's figures are step 0's trained ones too: with the answers' first tokens for the record
+            start = self.heads if started_from else self.heads.untrained_copy()
+            progress.untrained = self.evaluate(start, first=started_from)
         costs = (
             measure(self.adapter, self.heads, self.eval_rows, config.eval, self.vocab) if acc.is_main_process else None
         )

@@ -221,8 +221,8 @@ def add_profile_parser(commands) -> None:
     profile.add_argument("--measure_v", action="store_true", help="measure v(gamma) instead of assuming 1")
     profile.add_argument(
         "--answer_tokens", type=int, default=128,
-        help="also score the first N tokens of each answer (or text run) alone, as a benchmark of N new tokens "
-        "drafts there; 0: not",
+        help="chat data: also score the first N tokens of each answer alone, where a benchmark of N new tokens "
+        "drafts; 0: not",
     )  # fmt: skip
     profile.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     profile.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP + " (and skew the timed c)")

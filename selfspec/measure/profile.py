@@ -115,7 +115,9 @@ def profile_heads(
         sets["draft head"] = heads
     masks = dict.fromkeys(sets, masks[: config.max_rows] if masks is not None else None)
     if trained and masks["trained"] is not None and config.answer_tokens:  # the answers' first tokens alone
-        sets["first"], masks["first"] = heads, first_of_each_answer(masks["trained"], config.answer_tokens)
+        first = first_of_each_answer(masks["trained"], config.answer_tokens)
+        if first.any():  # plain text has no answers
+            sets["first"], masks["first"] = heads, first
     scores = evaluate(model, adapter, sets, rows[: config.max_rows], config.batch_size, vocabs={"draft head": vocab},
                       masks=masks)  # fmt: skip
     costs = measure(adapter, heads, rows, config)
