@@ -80,6 +80,20 @@ def test_a_missing_extra_is_named(monkeypatch):
         main(["demo"])
 
 
+def test_the_demo_runs_on_its_own_extras(tmp_path):
+    """README command 1 installs `.[demo,smollm2]` alone: the demo runs with the [train] extra's datasets, wandb and
+    peft absent (a module-level import of training code broke it once)."""
+    code = (
+        "import sys; sys.modules.update(dict.fromkeys(['datasets', 'wandb', 'peft'])); "
+        "from selfspec.cli.main import main; "
+        f"sys.exit(main(['demo', '--model', 'demo', '--num_prompts', '1', '--max_new_tokens', '4', "
+        f"'--output', {str(tmp_path)!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Greedy outputs identical to model.generate: yes" in result.stdout
+
+
 def test_the_command_line_answers_help_without_loading_torch():
     """The parsers import neither torch nor transformers (`selfspec --help` answers at once); each subcommand's
     help line is its description too."""

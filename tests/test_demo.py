@@ -85,7 +85,7 @@ def test_greedy_check_states_the_rule_counts_ties_and_fails_off_a_tie():
     tied = [contender("selfspec eagle", [True, TIE, TIE]), contender("selfspec ngram", [True, True, True])]
     lines, failures = greedy_check([plain, *tied], torch.bfloat16)
     text = " ".join(lines)
-    assert "Greedy check (bfloat16, the tie rule of selfspec.ties)" in text and failures == []
+    assert "Greedy check (bfloat16, the tie rule of selfspec.measure.ties)" in text and failures == []
     assert "top-2 scores are within 4 bfloat16 rounding steps of each other" in text
     assert "  selfspec eagle: 1 of 3 prompts identical, 2 left it at a tie" in lines
     assert lines[-1] == ("Greedy outputs identical to model.generate up to ties: yes: 4 of 6 outputs identical, "

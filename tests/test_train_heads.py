@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from selfspec import ExitHeads, SelfSpeculative, load_heads
 from selfspec.adapter import ModelAdapter
-from selfspec.measure.profile import evaluate
+from selfspec.measure.profile import evaluate, first_of_each_answer
 from selfspec.training.config import DataConfig
-from selfspec.training.data import copy_pool, copy_rows, first_of_each_answer, load_rows
+from selfspec.training.data import copy_pool, copy_rows, load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(20)]

@@ -37,6 +37,7 @@ from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.measure.profile import (
     configure_wandb,
     evaluate,
+    first_of_each_answer,
     format_table,
     heads_card,
     lora_comparison_table,
@@ -48,7 +49,7 @@ from selfspec.measure.profile import (
 )
 from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
-from selfspec.training.data import copy_pool, copy_rows, first_of_each_answer, load_rows, row_tensors
+from selfspec.training.data import copy_pool, copy_rows, load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
 from selfspec.training.feature_cache import FeatureCache, rows_digest
 

@@ -152,10 +152,10 @@ def greedy_check(contenders: list[Contender], dtype: torch.dtype) -> tuple[list[
         rule = f"Greedy check ({name}): each output must equal model.generate's, token for token."
         elsewhere = "differs from model.generate's output"
     else:
-        rule = (f"Greedy check ({name}, the tie rule of selfspec.ties): each output must equal model.generate's up "
-                f"to the first position where model.generate's top-2 scores are within {TIE_STEPS} {name} rounding "
-                "steps of each other, and take one of those tokens there (a pass over several positions rounds "
-                "differently from a one-token step).")  # fmt: skip
+        rule = (f"Greedy check ({name}, the tie rule of selfspec.measure.ties): each output must equal "
+                f"model.generate's up to the first position where model.generate's top-2 scores are within "
+                f"{TIE_STEPS} {name} rounding steps of each other, and take one of those tokens there (a pass over "
+                "several positions rounds differently from a one-token step).")  # fmt: skip
         elsewhere = "left model.generate's output other than at a tie"
     lines = textwrap.wrap(rule, width=112)
     failures, identical, tied, total = [], 0, 0, 0

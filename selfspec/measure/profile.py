@@ -19,7 +19,6 @@ from ..adapter import DraftVocabulary, ModelAdapter
 from ..heads import DraftHeads
 from ..heads.base import Costs
 from ..training.config import EvalConfig, TrainHeadsConfig
-from ..training.data import first_of_each_answer
 from ..training.distill import score_sums, target_pass
 from .bench import markdown_table
 from .costs import measure_costs
@@ -67,6 +66,18 @@ def evaluate(
             for name, row in zip(h.draft_names(), sums, strict=True)
         }
     return result
+
+
+def first_of_each_answer(masks: torch.Tensor, count: int) -> torch.Tensor:
+    """`masks` (`[rows, seq_len]` bool, `row_tensors`) kept at the first `count` positions of each run of marked
+    positions that starts within its row: the first `count` tokens of each answer. A run at a row's start is left
+    out (packing cut the answer there: its first tokens are in the row before), so plain text, one run per row,
+    keeps nothing."""
+    length = masks.shape[-1]
+    index = torch.arange(length, device=masks.device).expand_as(masks)
+    # the last unmarked position at or before each one; far below 0 before a row's first, so that run is dropped
+    last_unmarked = torch.where(masks, -(length + count + 1), index).cummax(dim=-1).values
+    return masks & (index - last_unmarked <= count)
 
 
 def with_first_tokens(scores: dict, first: dict, tokens: int) -> dict:

@@ -283,18 +283,6 @@ def row_tensors(rows: datasets.Dataset, indices) -> tuple[torch.Tensor, torch.Te
     return torch.tensor(picked["input_ids"], dtype=torch.long), torch.tensor(picked["loss_mask"], dtype=torch.bool)
 
 
-def first_of_each_answer(masks: torch.Tensor, count: int) -> torch.Tensor:
-    """`masks` (`[rows, seq_len]` bool, `row_tensors`) kept at the first `count` positions of each run of marked
-    positions that starts within its row: the first `count` tokens of each answer. A run at a row's start is left
-    out (packing cut the answer there: its first tokens are in the row before), so plain text, one run per row,
-    keeps nothing."""
-    length = masks.shape[-1]
-    index = torch.arange(length, device=masks.device).expand_as(masks)
-    # the last unmarked position at or before each one; far below 0 before a row's first, so that run is dropped
-    last_unmarked = torch.where(masks, -(length + count + 1), index).cummax(dim=-1).values
-    return masks & (index - last_unmarked <= count)
-
-
 def copy_pool(vocab_size: int, special_ids, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens copy rows draw from: the draft vocabulary's (the whole vocabulary's without one), special tokens
     left out."""
