@@ -114,6 +114,38 @@ def test_suffix_memory_merged_into_an_eagle_tree_drafts_remembered_answers():
     assert merged.spec.stats.accepted >= 12, merged.spec.stats  # most of the answer came from memory
 
 
+def test_suffix_memory_merged_into_given_tree_shapes_alone_and_beside_lookup():
+    """`selfspec bench --suffix_memory ... --merged_trees 3-3-1/6`: the remembering drafter's chain of 6 merged into
+    the head's 3-3-1 tree, alone and with n-gram lookup's chain of 6 as a third part; exact, taking the remembered
+    answer; their fixed copies remember apart; the bench keeps a prompt's own earlier answers out of a memory that
+    is a part of a merged tree."""
+    from selfspec.measure.bench import run_bench
+    from selfspec.measure.contenders import fixed_tree_contenders, generate_contender, memory_contenders
+
+    model = tiny_model("llama")
+    prompt = random_prompt(10, seed=7)
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    answer = expected[0, prompt.shape[1] :].tolist()
+    shape = ({"nodes": 3, "top_k": 3, "depth": 1}, 6)
+    contenders = memory_contenders(model, [answer], eagle_heads(model), None, [shape])
+    alone, beside = contenders[-2:]
+    assert alone.name == "selfspec merged suffix 6, memory 24 tokens + eagle tree 3-3-1"
+    assert beside.name == "selfspec merged ngram 6 + suffix 6, memory 24 tokens + eagle tree 3-3-1"
+    assert [type(part).__name__ for part in beside.spec.drafter.parts] == ["NGramDrafter", "SuffixDrafter",
+                                                                            "EagleDrafter"]  # fmt: skip
+    for contender in (alone, beside):
+        assert torch.equal(contender.run(prompt, 24), expected)
+        assert contender.spec.stats.accepted >= 12, contender.spec.stats  # most of the answer came from memory
+        (fixed,) = fixed_tree_contenders([contender])
+        memories = [[p for p in c.spec.drafter.parts if isinstance(p, SuffixDrafter)][0] for c in (contender, fixed)]
+        assert memories[0] is not memories[1] and len(memories[1].cache) == len(memories[0].cache)
+    memory = memories[0].cache  # beside's: the remembered answer and the run above
+    rows = run_bench([generate_contender(model, "generate", False, 1.0), beside], [prompt], 24, repeats=2)
+    # the warm-up's answer and the first repeat's went before it ran again: left are the remembered answer, the run
+    # above (outside the bench) and the last repeat's
+    assert rows[1]["matched"] is True and len(memory) == 3, len(memory)
+
+
 class Recording(NGramDrafter):
     """n-gram lookup that records `own` at every verdict, and can be told to have no proposal or to over-draft."""
 

@@ -113,7 +113,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             temperature=None if args.no_sampling else args.temperature,
         )
     if args.suffix_memory:
-        contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
+        contenders += memory_field(args, model, tokenizer, heads, vocab, None if args.no_sampling else args.temperature)
     if args.only:
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     if args.fixed_trees:
@@ -163,6 +163,14 @@ def only_parts(args: argparse.Namespace) -> list[str]:
     return [part.strip() for part in args.only.split(",") if part.strip()]
 
 
+def memory_field(args: argparse.Namespace, model, tokenizer, heads: dict, vocab, temperature=None) -> list:
+    """`--suffix_memory`'s contenders (`memory_contenders`), merged into the `--merged_trees` shapes where given,
+    greedy and at `temperature` (None: greedy only)."""
+    shapes = merged_shapes(args.merged_trees) if args.merged_trees else ()
+    answers = suffix_memory(args, tokenizer)
+    return memory_contenders(model, answers, heads.get(EagleHeads), vocab, shapes, temperature)
+
+
 def suffix_memory(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """The answers of `--suffix_memory` (`selfspec.chat.chat_answers`), or SystemExit naming what is wrong."""
     from ..chat import chat_answers
@@ -191,7 +199,7 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     prompts = timed[: args.num_prompts]
     contenders = repeated_contenders(model, heads.get(EagleHeads), vocab)
     if args.suffix_memory:
-        contenders += memory_contenders(model, suffix_memory(args, tokenizer), heads.get(EagleHeads), vocab)
+        contenders += memory_field(args, model, tokenizer, heads, vocab)
     if args.only:
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     warm_up(contenders, encode(tokenizer, warm, model.device), args.max_new_tokens)

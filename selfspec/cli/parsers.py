@@ -148,7 +148,8 @@ def add_bench_parser(commands) -> None:
         "--suffix_memory",
         help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
         "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "
-        "answers: training/data/smollm2-chat/train.jsonl.gz) before the first prompt",
+        "answers: training/data/smollm2-chat/train.jsonl.gz) before the first prompt; with --merged_trees, also its "
+        "chain of LOOKUP_TOKENS merged into each of those trees, alone and beside n-gram lookup's",
     )
     bench.add_argument(
         "--suffix_memory_tokens",

@@ -38,11 +38,15 @@ def _synchronize(device: torch.device) -> None:
 class OwnAnswers:
     """Keeps a drafter with a memory across calls (`SuffixDrafter`) from drafting a prompt's answer out of its own
     earlier answers to that very prompt (the warm-up's, an earlier repeat's): before each run on a prompt, the
-    answers its earlier runs on it left in the memory are dropped. Answers to the other prompts stay."""
+    answers its earlier runs on it left in the memory are dropped. Answers to the other prompts stay. A memory
+    inside a merged tree (`MergedTreeDrafter.parts`) counts too."""
 
     def __init__(self, contenders: list[Contender]):
-        self.memories = {id(c): [p.cache for p in c.spec.drafters if isinstance(p, SuffixDrafter)]
-                         for c in contenders if c.spec is not None}  # fmt: skip
+        self.memories = {
+            id(c): [p.cache for d in c.spec.drafters for p in getattr(d, "parts", (d,)) if isinstance(p, SuffixDrafter)]
+            for c in contenders
+            if c.spec is not None
+        }
         self.left: dict[tuple[int, int], list[tuple]] = {}  # (contender, prompt) -> (memory, answer ids)
 
     def forget(self, contender: Contender, index: int) -> None:

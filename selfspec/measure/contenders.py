@@ -5,14 +5,17 @@ trained exit, Medusa chain and tree, EAGLE, n-gram lookup and hybrids, compiled 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..adapter.static import compiled_generate_options
 from ..drafters.suffix import CACHED_REQUESTS, CACHED_TOKENS, SuffixDrafter
+from ..engine.drafter import Drafter
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..speculative import SelfSpeculative
 
@@ -93,14 +96,27 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
 
 def fixed_tree_contenders(contenders: list[Contender]) -> list[Contender]:
     """Each adaptive selfspec tree contender again with adaptive=False, named "... (fixed)": a tree verified every
-    iteration, against the default that falls back to plain steps where trees do not pay."""
+    iteration, against the default that falls back to plain steps where trees do not pay. Drafter objects among
+    the options are copied: a drafter that remembers earlier answers remembers each contender's own."""
     return [
         selfspec_contender(
-            c.spec.model, f"{c.name} (fixed)", c.sampling, c.temperature, **{**c.options, "adaptive": False}
+            c.spec.model, f"{c.name} (fixed)", c.sampling, c.temperature, **c.options | fixed_options(c.options)
         )
         for c in contenders
         if c.tree and c.spec is not None and c.spec.adaptive
     ]
+
+
+def fixed_options(options: dict) -> dict:
+    """adaptive=False, and `options`' drafter objects (`drafter=`: one, or in a list) as copies, for a second
+    wrapper."""
+    fixed = {"adaptive": False}
+    drafter = options.get("drafter")
+    if isinstance(drafter, Drafter):
+        fixed["drafter"] = copy.deepcopy(drafter)
+    elif isinstance(drafter, list | tuple):
+        fixed["drafter"] = [copy.deepcopy(d) if isinstance(d, Drafter) else d for d in drafter]
+    return fixed
 
 
 def compiled_contenders(
@@ -273,37 +289,66 @@ def merged_contenders(
     """n-gram lookup merged into an EAGLE head's dynamic trees (`selfspec.drafters.merged`): one contender per
     (tree shape, lookup chain length), greedy, and sampling at `temperature` too (None: greedy only)."""
     suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
-    modes = [(False, 1.0, "")] + ([(True, temperature, f" T={temperature}")] if temperature is not None else [])
     field_ = []
     for tree, lookup in shapes:
-        shape = f"{tree['nodes']}-{tree['top_k']}-{tree['depth']}"
-        for sampling, t, label in modes:
-            name = f"selfspec merged ngram {lookup} + eagle tree {shape}{label}{suffix}"
-            options = {"heads": heads, "draft_vocab": draft_vocab, "tree": tree, "prompt_lookup_num_tokens": lookup}
-            field_.append(selfspec_contender(model, name, sampling, t, drafter="hybrid", **options))
+        name = f"selfspec merged ngram {lookup} + eagle tree {tree_name(tree)}"
+        field_ += sampling_modes(model, name, suffix, temperature, lambda: "hybrid", heads=heads,
+                                 draft_vocab=draft_vocab, tree=tree, prompt_lookup_num_tokens=lookup)  # fmt: skip
     return field_
 
 
-def memory_contenders(model, answers: list[list[int]], eagle_heads: EagleHeads | None, draft_vocab) -> list[Contender]:
+def tree_name(tree: dict) -> str:
+    return f"{tree['nodes']}-{tree['top_k']}-{tree['depth']}"
+
+
+def sampling_modes(model, name: str, suffix: str, temperature: float | None, drafter, **options) -> list[Contender]:
+    """`name` greedy, and at `temperature` too (None: greedy only); `drafter()` makes each one's own drafters."""
+    modes = [(False, 1.0, "")] + ([(True, temperature, f" T={temperature}")] if temperature is not None else [])
+    return [
+        selfspec_contender(model, f"{name}{label}{suffix}", sampling, t, drafter=drafter(), **options)
+        for sampling, t, label in modes
+    ]
+
+
+def memory_contenders(
+    model,
+    answers: list[list[int]],
+    eagle_heads: EagleHeads | None,
+    draft_vocab,
+    shapes: list[tuple[dict, int]] = (),
+    temperature: float | None = None,
+) -> list[Contender]:
     """Suffix drafting that remembers `answers` (token ids: `selfspec.chat.chat_answers` of a chat data set) before
     the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too, by
-    turns and merged into the head's tree."""
+    turns and merged into the head's tree; and for each merged shape (tree, chain length) of `shapes`, the
+    remembering drafter's chain of that length merged into the head's tree, alone and beside n-gram lookup's chain
+    of that length, greedy and at `temperature` too (None: greedy only)."""
     tokens = sum(map(len, answers))
     label = f"memory {tokens:,} tokens"
 
-    def remembering() -> SuffixDrafter:
+    def remembering(**options) -> SuffixDrafter:
         bounds = {"max_cached_tokens": CACHED_TOKENS + tokens, "max_cached_requests": CACHED_REQUESTS + len(answers)}
-        drafter = SuffixDrafter(**bounds)
+        drafter = SuffixDrafter(**bounds, **options)
         drafter.remember(answers)
         return drafter
 
+    def merged_parts(length: int, lookup: bool) -> list:
+        return ["ngram"] * lookup + [remembering(num_speculative_tokens=length), "heads"]
+
     field_ = [selfspec_contender(model, f"selfspec suffix, {label}", False, 1.0, drafter=remembering())]
-    if eagle_heads is not None:
-        vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
-        field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
-                                         drafter=[remembering(), "heads"], heads=eagle_heads,
-                                         draft_vocab=draft_vocab))  # fmt: skip
-        field_.append(selfspec_contender(model, f"selfspec merged suffix, {label} + eagle tree{vocab}", False, 1.0,
-                                         drafter=[remembering(), "heads"], heads=eagle_heads, draft_vocab=draft_vocab,
-                                         tree=EAGLE_TREE))  # fmt: skip
+    if eagle_heads is None:
+        return field_
+    vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    options = {"heads": eagle_heads, "draft_vocab": draft_vocab}
+    field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
+                                     drafter=[remembering(), "heads"], **options))  # fmt: skip
+    field_.append(selfspec_contender(model, f"selfspec merged suffix, {label} + eagle tree{vocab}", False, 1.0,
+                                     drafter=[remembering(), "heads"], tree=EAGLE_TREE, **options))  # fmt: skip
+    for tree, length in shapes:
+        name = f"suffix {length}, {label} + eagle tree {tree_name(tree)}"
+        field_ += sampling_modes(model, f"selfspec merged {name}", vocab, temperature,
+                                 partial(merged_parts, length, False), tree=tree, **options)  # fmt: skip
+        field_ += sampling_modes(model, f"selfspec merged ngram {length} + {name}", vocab, temperature,
+                                 partial(merged_parts, length, True), tree=tree, prompt_lookup_num_tokens=length,
+                                 **options)  # fmt: skip
     return field_
