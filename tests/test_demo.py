@@ -116,11 +116,13 @@ def smollm2_stand_in(monkeypatch):
         return model, word_tokenizer(model.config.vocab_size), heads, ["t5 t9 t2 t7", "t1 t1 t4"], list(range(0, 96, 2))
 
     monkeypatch.setattr(demo, "load_target", load)
+    monkeypatch.setattr(demo, "demo_memory", lambda name, tokenizer: [[5, 9, 2, 7, 1, 1, 4]])
     return asked
 
 
 def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in, monkeypatch, capsys):
-    verdicts = iter([True, True, TIE, True, True] * 2)  # per prompt: generate itself, eagle, ngram, hybrid, merged
+    # per prompt: generate itself, eagle, ngram, hybrid, merged, merged with memory
+    verdicts = iter([True, True, TIE, True, True, True] * 2)
     monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
     assert main(["demo", "--max_new_tokens", "6"]) == 0
     assert smollm2_stand_in == {"model": "smollm2-135m-instruct", "dtype": "bfloat16"}
@@ -128,15 +130,18 @@ def test_the_default_demo_runs_the_best_modes_with_the_tie_rule(smollm2_stand_in
     assert "smollm2-135m-instruct: 2 prompts, 6 new tokens each, greedy, bfloat16" in out
     rows = re.findall(r"^\| (model\.generate|selfspec [^|]*?) \|", out, flags=re.MULTILINE)
     assert rows == ["model.generate", "selfspec eagle, vocab 48", "selfspec ngram", "selfspec hybrid ngram + eagle, "
-                    "vocab 48", "selfspec merged ngram 6 + eagle tree 3-3-1, vocab 48"]  # fmt: skip
+                    "vocab 48", "selfspec merged ngram 6 + eagle tree 3-3-1, vocab 48",
+                    "selfspec merged ngram 6 + suffix 6, memory 7 tokens + eagle tree 3-3-1, vocab 48"]  # fmt: skip
     assert "| selfspec ngram | " in out and "| tie (2) |" in out and "tie (n): the same tokens up to a tie" in out
     assert "  selfspec ngram: 0 of 2 prompts identical, 2 left it at a tie" in out
-    assert "up to ties: yes: 6 of 8 outputs identical, 2 left it at a tie, none anywhere else." in out
+    assert "up to ties: yes: 8 of 10 outputs identical, 2 left it at a tie, none anywhere else." in out
+    assert "suffix 6, memory N tokens: suffix drafting's chain" in out
     assert "alpha per exit depth" not in out  # no exit heads
 
 
 def test_a_divergence_off_a_tie_fails_the_demo(smollm2_stand_in, monkeypatch, capsys):
-    verdicts = iter([True, True, False, TIE, True] + [True] * 5)  # model.generate itself, eagle, ngram, hybrid, merged
+    # model.generate itself, eagle, ngram, hybrid, merged, merged with memory
+    verdicts = iter([True, True, False, TIE, True, True] + [True] * 6)
     monkeypatch.setattr(bench, "compare_greedy", lambda model, prompt, reference, output: next(verdicts))
     assert main(["demo", "--max_new_tokens", "6"]) == 1
     captured = capsys.readouterr()
@@ -175,3 +180,26 @@ def test_load_target_of_the_default_demo_needs_no_model_folder_argument(monkeypa
         options.load_target(args)
     assert loaded == {"name": "smollm2-135m-instruct", "dtype": "float32"}
     assert "dtype: float32 (this CPU has no native bf16" in capsys.readouterr().out
+
+
+def test_the_demo_reads_its_targets_memory_and_says_where_it_is_missing(monkeypatch, tmp_path, capsys):
+    """SmolLM2's memory is the repository's chat data (its own answers); the demo reads it with the target's
+    tokenizer, and leaves the merged tree with it out, saying so, where the file is not there."""
+    import dataclasses
+    import json
+
+    from tiny_models import chat_tokenizer
+
+    assert KNOWN_TARGETS[DEMO_TARGET].memory.exists()  # training/data/smollm2-chat/train.jsonl.gz, in the repository
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w3 w4"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    target = dataclasses.replace(KNOWN_TARGETS[DEMO_TARGET], memory=path)
+    monkeypatch.setattr(demo, "known_target", lambda name: target)
+    assert demo.demo_memory(DEMO_TARGET, chat_tokenizer()) == [[9, 10, 2]]
+    assert "suffix memory: 3 tokens, the model's own answers in chat.jsonl (1 turns" in capsys.readouterr().out
+    target = dataclasses.replace(target, memory=tmp_path / "absent.jsonl.gz")
+    assert demo.demo_memory(DEMO_TARGET, chat_tokenizer()) is None
+    assert "absent.jsonl.gz is not here (a clone of the repository has it); the merged tree with it is left out" in (
+        capsys.readouterr().out
+    )

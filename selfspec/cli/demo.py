@@ -3,11 +3,12 @@
 The demo answers a few chat prompts with SmolLM2-135M-Instruct (`smollm2-135m-instruct`, the `[smollm2]` extra)
 in bfloat16 where the machine multiplies it natively and in float32 elsewhere (`selfspec.cli.options.default_dtype`):
 plain `model.generate`, then selfspec's best modes for it (the bundled EAGLE head's chain with the draft
-vocabulary, n-gram lookup, their hybrid, and lookup merged into the head's tree). It prints the completions and
-tokens/s, speedup and tokens per target pass, and checks the greedy outputs against `model.generate`'s: in
-bfloat16 up to ties of its top-2 scores (`selfspec.measure.ties`), in float32 token for token. `--model demo` runs
-the bundled toy target instead (heads/demo-target, trained by this project) on held-out code prompts, with every
-kind of its heads and alpha per exit depth (also as a PNG).
+vocabulary, n-gram lookup, their hybrid, lookup merged into the head's tree, and that tree with suffix drafting
+that remembers the model's own answers to a chat data set, `KnownTarget.memory`, as a third part). It prints the
+completions and tokens/s, speedup and tokens per target pass, and checks the greedy outputs against
+`model.generate`'s: in bfloat16 up to ties of its top-2 scores (`selfspec.measure.ties`), in float32 token for
+token. `--model demo` runs the bundled toy target instead (heads/demo-target, trained by this project) on held-out
+code prompts, with every kind of its heads and alpha per exit depth (also as a PNG).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from ..measure.contenders import (
     Contender,
     eagle_contenders,
     generate_contender,
+    memory_merged_contenders,
     merged_contenders,
     selfspec_contender,
     tree_for,
 )
 from ..measure.ties import TIE, TIE_STEPS
-from ..targets import DEMO_TARGET
+from ..targets import DEMO_TARGET, known_target
 from .options import (
     check_plotting,
     default_dtype,
@@ -51,13 +53,15 @@ def demo_dtype(model: str, device: str = "cpu") -> str:
     return default_dtype(model, device)[0]
 
 
-def demo_contenders(model, heads: dict, vocab: list[int] | None, best_only: bool = False) -> list[Contender]:
+def demo_contenders(
+    model, heads: dict, vocab: list[int] | None, best_only: bool = False, memory: list[list[int]] | None = None
+) -> list[Contender]:
     """model.generate, then selfspec (reduced-vocabulary drafts where `vocab` is given). `best_only`: the best
-    modes (`best_contenders`); else the full field: the trained exit heads (the untrained exit without them),
-    Medusa chain and tree, the EAGLE head's modes, n-gram lookup, and lookup with the Medusa heads where it has
-    no match."""
+    modes (`best_contenders`, with `memory`); else the full field: the trained exit heads (the untrained exit
+    without them), Medusa chain and tree, the EAGLE head's modes, n-gram lookup, and lookup with the Medusa heads
+    where it has no match."""
     if best_only:
-        return best_contenders(model, heads, vocab)
+        return best_contenders(model, heads, vocab, memory)
     exit_heads, medusa = heads.get(ExitHeads), heads.get(MedusaHeads)
     suffix = f", vocab {len(vocab)}" if vocab else ""
     contenders = [generate_contender(model, "model.generate", False, 1.0)]
@@ -81,10 +85,11 @@ def demo_contenders(model, heads: dict, vocab: list[int] | None, best_only: bool
     return contenders
 
 
-def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contender]:
+def best_contenders(model, heads: dict, vocab: list[int] | None, memory: list[list[int]] | None = None):
     """model.generate, then the chain of each kind of heads loaded (the trained exit at its tuned depth, the Medusa
     chain, the EAGLE chain) with the draft vocabulary `vocab`, n-gram lookup, its hybrid with each kind, and with
-    an EAGLE head, lookup merged into the head's tree (`MERGED_TREE`)."""
+    an EAGLE head, lookup merged into the head's tree (`MERGED_TREE`), and with `memory` (answers' token ids) too,
+    that tree with the chain of suffix drafting that remembers them as a third part."""
     chains = []
     if ExitHeads in heads:
         layer = heads[ExitHeads].default_exit_layer
@@ -102,7 +107,30 @@ def best_contenders(model, heads: dict, vocab: list[int] | None) -> list[Contend
                                       draft_vocab=vocab, **options) for name, options in chains]  # fmt: skip
     if EagleHeads in heads:
         contenders += merged_contenders(model, heads[EagleHeads], vocab, [MERGED_TREE])
+        if memory:
+            contenders += memory_merged_contenders(model, memory, heads[EagleHeads], vocab, MERGED_TREE, lookup=True)
     return contenders
+
+
+def demo_memory(name: str, tokenizer) -> list[list[int]] | None:
+    """The answers (token ids) that the known target `name`'s suffix drafting remembers in the demo
+    (`KnownTarget.memory`), saying so; None, saying why, where its file is not here."""
+    import time
+
+    from ..chat import chat_answers
+
+    path = known_target(name).memory
+    if path is None:
+        return None
+    if not path.exists():
+        print(f"suffix memory: {path} is not here (a clone of the repository has it); the merged tree with it is "
+              "left out")  # fmt: skip
+        return None
+    started = time.perf_counter()
+    answers = chat_answers(path, tokenizer)
+    print(f"suffix memory: {sum(map(len, answers)):,} tokens, the model's own answers in {path.name} "
+          f"({len(answers):,} turns, read in {time.perf_counter() - started:.0f} s)")  # fmt: skip
+    return answers
 
 
 def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
@@ -117,8 +145,9 @@ def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> li
     return report_rows(heads, scores["untrained"], scores["trained"], None, max_gamma=0)
 
 
-def demo_legend(vocab_size: int | None, ties: bool = False) -> str:
-    """What the demo table's columns mean; `ties`: half precision, where "tie (n)" may show."""
+def demo_legend(vocab_size: int | None, ties: bool = False, memory: bool = False) -> str:
+    """What the demo table's columns mean; `ties`: half precision, where "tie (n)" may show; `memory`: a
+    contender remembers earlier answers."""
     legend = [
         "tokens/s: new tokens per second; speedup: over model.generate in this run; greedy match: the same tokens",
         "as model.generate; alpha_hat: drafts accepted / drafts proposed; tokens/pass: new tokens per full-model",
@@ -131,6 +160,12 @@ def demo_legend(vocab_size: int | None, ties: bool = False) -> str:
             f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: the target's "
             "most",
             "frequent tokens in its data); verification uses the whole vocabulary, so the output stays exact.",
+        ]
+    if memory:
+        legend += [
+            "suffix 6, memory N tokens: suffix drafting's chain of up to 6 tokens, from the longest match of the",
+            "text's end in the prompt, the answer so far and the model's own earlier answers (N tokens, read before",
+            "the first prompt; each answer of the run joins them).",
         ]
     return "\n".join(legend)
 
@@ -191,7 +226,9 @@ def run_demo(args: argparse.Namespace) -> int:
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
-    contenders = demo_contenders(model, heads, vocab, best_only=args.model in BEST_MODES_ONLY)
+    best_only = args.model in BEST_MODES_ONLY
+    memory = demo_memory(args.model, tokenizer) if best_only and EagleHeads in heads else None
+    contenders = demo_contenders(model, heads, vocab, best_only=best_only, memory=memory)
     dtype = str(model.dtype).removeprefix("torch.")
     print(f"{args.model}: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy, {dtype}")
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=1)
@@ -201,7 +238,7 @@ def run_demo(args: argparse.Namespace) -> int:
         completion = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
         print(f"\n----- prompt (last lines) -----\n{tail}\n----- completion -----\n{completion}")
     print("\n" + markdown_table(rows, [c for c in COLUMNS if c[0] in DEMO_COLUMNS]))
-    print(demo_legend(len(vocab) if vocab else None, ties=model.dtype != torch.float32))
+    print(demo_legend(len(vocab) if vocab else None, ties=model.dtype != torch.float32, memory=bool(memory)))
     report, failures = greedy_check(contenders, model.dtype)
     print("\n" + "\n".join(report))
     if ExitHeads in heads:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 from torch import nn
@@ -310,6 +309,39 @@ def sampling_modes(model, name: str, suffix: str, temperature: float | None, dra
     ]
 
 
+def remembering(answers: list[list[int]], **options) -> SuffixDrafter:
+    """A `SuffixDrafter(**options)` that remembers `answers` (token ids) before its first call, its cache bounds
+    raised by their size."""
+    tokens = sum(map(len, answers))
+    bounds = {"max_cached_tokens": CACHED_TOKENS + tokens, "max_cached_requests": CACHED_REQUESTS + len(answers)}
+    drafter = SuffixDrafter(**bounds, **options)
+    drafter.remember(answers)
+    return drafter
+
+
+def memory_label(answers: list[list[int]]) -> str:
+    return f"memory {sum(map(len, answers)):,} tokens"
+
+
+def memory_merged_contenders(
+    model, answers, heads: EagleHeads, draft_vocab, shape: tuple[dict, int], lookup: bool, temperature=None
+) -> list[Contender]:
+    """Suffix drafting that remembers `answers`, its chain of the shape's length merged into the head's tree of the
+    shape (beside n-gram lookup's chain of that length where `lookup`), greedy and at `temperature` too (None:
+    greedy only)."""
+    tree, length = shape
+    name = f"suffix {length}, {memory_label(answers)} + eagle tree {tree_name(tree)}"
+    name = f"selfspec merged ngram {length} + {name}" if lookup else f"selfspec merged {name}"
+
+    def drafter() -> list:
+        return ["ngram"] * lookup + [remembering(answers, num_speculative_tokens=length), "heads"]
+
+    options = {"prompt_lookup_num_tokens": length} if lookup else {}
+    vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    return sampling_modes(model, name, vocab, temperature, drafter, heads=heads, draft_vocab=draft_vocab, tree=tree,
+                          **options)  # fmt: skip
+
+
 def memory_contenders(
     model,
     answers: list[list[int]],
@@ -319,36 +351,21 @@ def memory_contenders(
     temperature: float | None = None,
 ) -> list[Contender]:
     """Suffix drafting that remembers `answers` (token ids: `selfspec.chat.chat_answers` of a chat data set) before
-    the first prompt, its cache bound raised by their size; with an EAGLE head, that drafter before the head too, by
-    turns and merged into the head's tree; and for each merged shape (tree, chain length) of `shapes`, the
-    remembering drafter's chain of that length merged into the head's tree, alone and beside n-gram lookup's chain
-    of that length, greedy and at `temperature` too (None: greedy only)."""
-    tokens = sum(map(len, answers))
-    label = f"memory {tokens:,} tokens"
-
-    def remembering(**options) -> SuffixDrafter:
-        bounds = {"max_cached_tokens": CACHED_TOKENS + tokens, "max_cached_requests": CACHED_REQUESTS + len(answers)}
-        drafter = SuffixDrafter(**bounds, **options)
-        drafter.remember(answers)
-        return drafter
-
-    def merged_parts(length: int, lookup: bool) -> list:
-        return ["ngram"] * lookup + [remembering(num_speculative_tokens=length), "heads"]
-
-    field_ = [selfspec_contender(model, f"selfspec suffix, {label}", False, 1.0, drafter=remembering())]
+    the first prompt (`remembering`); with an EAGLE head, that drafter before the head too, by turns and merged
+    into the head's tree; and for each merged shape (tree, chain length) of `shapes`, its chain of that length
+    merged into the head's tree, alone and beside n-gram lookup's chain of that length, greedy and at
+    `temperature` too (None: greedy only)."""
+    label = memory_label(answers)
+    field_ = [selfspec_contender(model, f"selfspec suffix, {label}", False, 1.0, drafter=remembering(answers))]
     if eagle_heads is None:
         return field_
     vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
     options = {"heads": eagle_heads, "draft_vocab": draft_vocab}
     field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
-                                     drafter=[remembering(), "heads"], **options))  # fmt: skip
+                                     drafter=[remembering(answers), "heads"], **options))  # fmt: skip
     field_.append(selfspec_contender(model, f"selfspec merged suffix, {label} + eagle tree{vocab}", False, 1.0,
-                                     drafter=[remembering(), "heads"], tree=EAGLE_TREE, **options))  # fmt: skip
-    for tree, length in shapes:
-        name = f"suffix {length}, {label} + eagle tree {tree_name(tree)}"
-        field_ += sampling_modes(model, f"selfspec merged {name}", vocab, temperature,
-                                 partial(merged_parts, length, False), tree=tree, **options)  # fmt: skip
-        field_ += sampling_modes(model, f"selfspec merged ngram {length} + {name}", vocab, temperature,
-                                 partial(merged_parts, length, True), tree=tree, prompt_lookup_num_tokens=length,
-                                 **options)  # fmt: skip
+                                     drafter=[remembering(answers), "heads"], tree=EAGLE_TREE, **options))  # fmt: skip
+    for shape in shapes:
+        for lookup in (False, True):
+            field_ += memory_merged_contenders(model, answers, eagle_heads, draft_vocab, shape, lookup, temperature)
     return field_
