@@ -91,11 +91,13 @@ def test_importing_the_library_loads_no_training_demo_or_test_package():
 
 
 def test_readme_shows_what_the_demo_prints():
-    """The expected output (SmolLM2 in bfloat16, its 8192-token draft vocabulary) keeps up with the code."""
+    """The expected output (SmolLM2 in bfloat16, its 8192-token draft vocabulary and its memory) keeps up with the
+    code."""
     from selfspec.cli.demo import demo_legend, greedy_check
 
     rule = greedy_check([], torch.bfloat16)[0][:-1]  # the tie rule's lines, without a verdict
-    assert demo_legend(8192, ties=True) in README and "\n".join(rule) in README
+    assert demo_legend(8192, ties=True, memory=True) in README and "\n".join(rule) in README
+    assert "\nsuffix memory: 2,986,068 tokens, the model's own answers in train.jsonl.gz (12,298 turns" in README
 
 
 def test_readme_training_command_is_short_quiet_and_parses(monkeypatch):
