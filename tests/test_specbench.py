@@ -170,6 +170,28 @@ def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path):
         main([*args[:-2], "--merged_trees", "2-2-1/3"])
 
 
+def test_bench_merges_a_suffix_memory_into_the_given_trees(tmp_path):
+    """--suffix_memory with --merged_trees: the memory's chain in each tree, alone and beside lookup's, greedy and
+    sampled, and with --fixed_trees a fixed copy of each; greedy output stays generate's."""
+    args = [a for a in eagle_bench_args(tmp_path) if a != "--no_sampling"]
+    tokenizer = tiny_tokenizer()  # a template that renders a conversation's turns as prefixes (no generation prompt)
+    tokenizer.chat_template = "t2{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "model")
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "t5"}, {"role": "assistant", "content": "t6 t7"}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    args += ["--heads", str(tmp_path / "eagle"), "--merged_trees", "2-2-1/3", "--temperature", "0.7"]
+    assert main([*args, "--suffix_memory", str(chat), "--only", "suffix 3", "--fixed_trees"]) == 0
+    rows = {row["contender"]: row for row in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
+    merged = [f"selfspec merged {parts}suffix 3, memory 2 tokens + eagle tree 2-2-1" for parts in ("", "ngram 3 + ")]
+    modes = [f"{name}{label}" for name in merged for label in ("", " T=0.7")]
+    assert set(rows) == {"generate", "generate T=0.7", *modes, *(f"{name} (fixed)" for name in modes)}
+    for name in modes:
+        for row in (rows[name], rows[f"{name} (fixed)"]):
+            assert row["sampling"] is ("T=0.7" in name) and row["tokens_per_pass"] >= 1.0
+            assert row["matched"] is (None if row["sampling"] else True)
+
+
 def test_bench_samples_the_merged_and_hybrid_trees_against_sampled_generate(tmp_path):
     args = [a for a in eagle_bench_args(tmp_path) if a != "--no_sampling"]
     args += ["--only", "T=", "--temperature", "0.7", "--heads", str(tmp_path / "eagle"), "--merged_trees", "2-2-1/3"]

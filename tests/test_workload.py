@@ -59,3 +59,5 @@ def test_bench_runs_the_repeated_workload_after_its_warm_up(tmp_path, capsys):
     rows = json.loads((tmp_path / "memory" / "bench_repeated.json").read_text())
     names = {row["contender"] for row in rows["results"]}
     assert names == {"generate", "selfspec suffix", "selfspec suffix, memory 2 tokens"}
+    with pytest.raises(SystemExit, match="--merged_trees needs EAGLE heads"):  # as on Spec-Bench prompts
+        main(args[:-2] + more + ["--merged_trees", "2-2-1/3"])

@@ -102,18 +102,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if heads.get(EagleHeads) is None:
             raise SystemExit("--chains needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
         contenders += chain_contenders(model, heads.get(EagleHeads), vocab, lengths)
-    if args.merged_trees:
-        if heads.get(EagleHeads) is None:
-            raise SystemExit("--merged_trees needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
-        contenders += merged_contenders(
-            model,
-            heads.get(EagleHeads),
-            vocab,
-            merged_shapes(args.merged_trees),
-            temperature=None if args.no_sampling else args.temperature,
-        )
+    temperature = None if args.no_sampling else args.temperature
+    contenders += merged_field(args, model, heads, vocab, temperature)
     if args.suffix_memory:
-        contenders += memory_field(args, model, tokenizer, heads, vocab, None if args.no_sampling else args.temperature)
+        contenders += memory_field(args, model, tokenizer, heads, vocab, temperature)
     if args.only:
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     if args.fixed_trees:
@@ -163,6 +155,15 @@ def only_parts(args: argparse.Namespace) -> list[str]:
     return [part.strip() for part in args.only.split(",") if part.strip()]
 
 
+def merged_field(args: argparse.Namespace, model, heads: dict, vocab, temperature=None) -> list:
+    """`--merged_trees`' contenders (`merged_contenders`): none without the option, SystemExit without EAGLE heads."""
+    if not args.merged_trees:
+        return []
+    if heads.get(EagleHeads) is None:
+        raise SystemExit("--merged_trees needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
+    return merged_contenders(model, heads[EagleHeads], vocab, merged_shapes(args.merged_trees), temperature)
+
+
 def memory_field(args: argparse.Namespace, model, tokenizer, heads: dict, vocab, temperature=None) -> list:
     """`--suffix_memory`'s contenders (`memory_contenders`), merged into the `--merged_trees` shapes where given,
     greedy and at `temperature` (None: greedy only)."""
@@ -197,7 +198,7 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
 
     timed += revision_prompts(tokenizer, answer, args.warmup + 2)
     prompts = timed[: args.num_prompts]
-    contenders = repeated_contenders(model, heads.get(EagleHeads), vocab)
+    contenders = repeated_contenders(model, heads.get(EagleHeads), vocab) + merged_field(args, model, heads, vocab)
     if args.suffix_memory:
         contenders += memory_field(args, model, tokenizer, heads, vocab)
     if args.only:

@@ -163,7 +163,8 @@ def demo_legend(vocab_size: int | None, ties: bool = False, memory: bool = False
         ]
     if memory:
         legend += [
-            "suffix 6, memory N tokens: suffix drafting's chain of up to 6 tokens, from the longest match of the",
+            f"suffix {MERGED_TREE[1]}, memory N tokens: suffix drafting's chain of up to {MERGED_TREE[1]} tokens, from "
+            "the longest match of the",
             "text's end in the prompt, the answer so far and the model's own earlier answers (N tokens, read before",
             "the first prompt; each answer of the run joins them).",
         ]
