@@ -129,7 +129,7 @@ def compiled_contenders(
     a compiled selfspec), then selfspec with compile=True: the plain loop (the unit of c and v of the compiled
     contenders), n-gram lookup, the Medusa chain and the EAGLE chain (with `draft_vocab`), and each one's hybrid with
     n-gram lookup."""
-    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    suffix = vocab_label(draft_vocab)
     field_ = [replace(generate_contender(model, "generate compiled", False, 1.0, **compiled_generate_options()),
                       compiled=True)]  # fmt: skip
     options = [("plain loop", {"num_draft_tokens": 0}),
@@ -219,7 +219,7 @@ def standard_contenders(
                                              temperature, heads=medusa_heads, tree=[], draft_vocab=draft_vocab,
                                              draft_quant="int8"))  # fmt: skip
         if sampling:
-            suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+            suffix = vocab_label(draft_vocab)
             field_.append(selfspec_contender(model, f"selfspec medusa chain T={temperature}{suffix}", True,
                                              temperature, heads=medusa_heads, tree=[],
                                              draft_vocab=draft_vocab))  # fmt: skip
@@ -241,7 +241,7 @@ def eagle_contenders(model, heads: EagleHeads, draft_vocab, temperature: float |
     """An EAGLE head's chain (and with `draft_vocab`), a small dynamic tree, its hybrids with n-gram lookup (chains
     by turns, and the tree with lookup's chain merged into it), and its sampling at `temperature` (None: greedy
     only); chains with adaptive gamma up to the heads' default."""
-    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    suffix = vocab_label(draft_vocab)
     field_ = [selfspec_contender(model, "selfspec eagle", False, 1.0, heads=heads)]
     if draft_vocab is not None:
         field_.append(selfspec_contender(model, f"selfspec eagle{suffix}", False, 1.0, heads=heads,
@@ -287,11 +287,10 @@ def merged_contenders(
 ) -> list[Contender]:
     """n-gram lookup merged into an EAGLE head's dynamic trees (`selfspec.drafters.merged`): one contender per
     (tree shape, lookup chain length), greedy, and sampling at `temperature` too (None: greedy only)."""
-    suffix = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
     field_ = []
     for tree, lookup in shapes:
         name = f"selfspec merged ngram {lookup} + eagle tree {tree_name(tree)}"
-        field_ += sampling_modes(model, name, suffix, temperature, lambda: "hybrid", heads=heads,
+        field_ += sampling_modes(model, name, temperature, lambda: "hybrid", heads=heads,
                                  draft_vocab=draft_vocab, tree=tree, prompt_lookup_num_tokens=lookup)  # fmt: skip
     return field_
 
@@ -300,13 +299,20 @@ def tree_name(tree: dict) -> str:
     return f"{tree['nodes']}-{tree['top_k']}-{tree['depth']}"
 
 
-def sampling_modes(model, name: str, suffix: str, temperature: float | None, drafter, **options) -> list[Contender]:
-    """`name` greedy, and at `temperature` too (None: greedy only); `drafter()` makes each one's own drafters."""
+def sampling_modes(model, name: str, temperature: float | None, drafter, **options) -> list[Contender]:
+    """`name` greedy, and at `temperature` too (None: greedy only), each named with its draft vocabulary;
+    `drafter()` makes each one's own drafters."""
     modes = [(False, 1.0, "")] + ([(True, temperature, f" T={temperature}")] if temperature is not None else [])
+    suffix = vocab_label(options.get("draft_vocab"))
     return [
         selfspec_contender(model, f"{name}{label}{suffix}", sampling, t, drafter=drafter(), **options)
         for sampling, t, label in modes
     ]
+
+
+def vocab_label(draft_vocab) -> str:
+    """How a contender's name tells its draft vocabulary: ", vocab N", or nothing without one."""
+    return f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
 
 
 def remembering(answers: list[list[int]], **options) -> SuffixDrafter:
@@ -337,8 +343,7 @@ def memory_merged_contenders(
         return ["ngram"] * lookup + [remembering(answers, num_speculative_tokens=length), "heads"]
 
     options = {"prompt_lookup_num_tokens": length} if lookup else {}
-    vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
-    return sampling_modes(model, name, vocab, temperature, drafter, heads=heads, draft_vocab=draft_vocab, tree=tree,
+    return sampling_modes(model, name, temperature, drafter, heads=heads, draft_vocab=draft_vocab, tree=tree,
                           **options)  # fmt: skip
 
 
@@ -359,7 +364,7 @@ def memory_contenders(
     field_ = [selfspec_contender(model, f"selfspec suffix, {label}", False, 1.0, drafter=remembering(answers))]
     if eagle_heads is None:
         return field_
-    vocab = f", vocab {len(draft_vocab)}" if draft_vocab is not None else ""
+    vocab = vocab_label(draft_vocab)
     options = {"heads": eagle_heads, "draft_vocab": draft_vocab}
     field_.append(selfspec_contender(model, f"selfspec hybrid suffix, {label} + eagle{vocab}", False, 1.0,
                                      drafter=[remembering(answers), "heads"], **options))  # fmt: skip
