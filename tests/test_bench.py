@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from selfspec import ExitHeads, SelfSpeculative
 from selfspec.adapter import ModelAdapter
 from selfspec.cli.main import main
-from selfspec.measure.bench import markdown_table, run_bench
+from selfspec.measure.bench import markdown_table, run_bench, summarize
 from selfspec.measure.contenders import Contender, standard_contenders
 from selfspec.measure.prompts import load_prompts
 
@@ -62,6 +62,9 @@ def test_every_contender_runs_and_greedy_ones_match(model):
         assert row["runs"] == 4 and row["tokens_per_s"] > 0
         assert row["matched"] is (None if row["sampling"] else True), row["contender"]
     assert by_name["generate"]["speedup"] == 1.0 and by_name["generate T=0.8"]["speedup"] == 1.0
+    assert by_name["generate"]["paired_speedup"] == 1.0 and by_name["generate T=0.8"]["paired_speedup"] == 1.0
+    assert all(len(row["run_tokens"]) == len(row["run_seconds"]) == len(row["run_prompts"]) == 4 for row in rows)
+    assert by_name["selfspec ngram"]["run_prompts"] == [0, 1, 0, 1]
     plain = by_name["selfspec plain loop"]
     assert plain["tokens_per_pass"] == 1.0 and plain["alpha_hat"] is None and plain["gamma"] == 0
     medusa = by_name["selfspec medusa chain"]
@@ -85,6 +88,22 @@ def test_a_wrong_output_is_reported_as_a_mismatch(model):
     rows = run_bench(contenders, [random_prompt(4, seed=3)], max_new_tokens=6, progress=False)
     assert [row["matched"] for row in rows] == [True, False]
     assert "| broken |" in markdown_table(rows) and "NO" in markdown_table(rows)
+
+
+def test_the_paired_speedup_divides_each_run_by_the_baseline_on_the_same_prompt():
+    def timed(name, seconds, baseline=False, prompts=(0, 1, 2)):
+        contender = Contender(name, False, None, baseline=baseline)
+        contender.tokens, contender.seconds, contender.prompt_indices = [10] * 3, list(seconds), list(prompts)
+        return contender
+
+    # tokens/s per prompt: generate 10, 2.5, 5; the contender 20, 7.5, 5 (2x, 3x and 1x on the same prompts)
+    generate, contender = timed("generate", [1, 4, 2], baseline=True), timed("fast", [0.5, 4 / 3, 2])
+    rows = {row["contender"]: row for row in summarize([generate, contender])}
+    assert rows["fast"]["speedup"] == pytest.approx(7.5 / 5)  # the medians' ratio: different middle prompts
+    assert rows["fast"]["paired_speedup"] == pytest.approx(2.0)  # the median of 2, 3 and 1
+    assert rows["fast"]["run_seconds"] == [0.5, 4 / 3, 2] and rows["generate"]["paired_speedup"] == 1.0
+    with pytest.raises(ValueError, match="ran different prompts"):
+        summarize([generate, timed("other", [1, 1, 1], prompts=(2, 1, 0))])
 
 
 def test_prompt_files_are_checked(tmp_path):

@@ -3,7 +3,8 @@ interleaved run by run, and the summaries, overall and by Spec-Bench category.
 
 Runs interleave (prompt by prompt, the contenders' order rotating each repeat), so a machine that slows down or
 speeds up mid-way affects every contender alike; each figure is a median over runs, and each ratio compares figures
-from the same session. Greedy outputs are checked against `model.generate`'s (`selfspec.measure.ties`).
+from the same session: the speedup two medians, the paired speedup each run with the baseline's on the same prompt.
+Greedy outputs are checked against `model.generate`'s (`selfspec.measure.ties`).
 
 For each selfspec contender the measured costs are put back into the speedup equation of docs/design.md:
 c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
@@ -194,9 +195,20 @@ def _rate(contender: Contender) -> float:
     return statistics.median(t / s for t, s in zip(contender.tokens, contender.seconds, strict=True))
 
 
+def paired_speedup(contender: Contender, baseline: Contender) -> float:
+    """The median over runs of the contender's tokens/s over the baseline's in the same run (the same prompt and
+    repeat). `speedup` divides two medians, each over every prompt, whose middle prompts may differ; pairing each
+    run with the baseline's on the same prompt takes the prompts' own spread (lengths, categories) out."""
+    if contender.prompt_indices != baseline.prompt_indices:
+        raise ValueError(f"{contender.name} and {baseline.name} ran different prompts: their runs do not pair")
+    runs = zip(contender.tokens, contender.seconds, baseline.tokens, baseline.seconds, strict=True)
+    return statistics.median((t / s) / (bt / bs) for t, s, bt, bs in runs)
+
+
 def summarize(contenders: list[Contender]) -> list[dict]:
     """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
-    baselines = {c.sampling: _rate(c) for c in contenders if c.baseline}
+    baseline_of = {c.sampling: c for c in contenders if c.baseline}
+    baselines = {sampling: _rate(c) for sampling, c in baseline_of.items()}
     compiled_generate = next((_rate(c) for c in contenders if c.compiled and c.spec is None), None)
     steps = {}  # the plain loop's time per token, eager and compiled
     for plain in (c for c in contenders if c.plain_loop and c.compiled not in steps):
@@ -209,10 +221,14 @@ def summarize(contenders: list[Contender]) -> list[dict]:
             "sampling": contender.sampling,
             "tokens_per_s": rate,
             "speedup": rate / baselines.get(contender.sampling, baselines[False]),
+            "paired_speedup": paired_speedup(contender, baseline_of.get(contender.sampling, baseline_of[False])),
             "vs_compiled_generate": rate / compiled_generate if compiled_generate and not contender.sampling else None,
             "matched": match_summary(contender.matched),
             "ties": sum(verdict == TIE for verdict in contender.matched),
             "runs": len(contender.seconds),
+            "run_prompts": list(contender.prompt_indices),  # each timed run: its prompt, new tokens and seconds
+            "run_tokens": list(contender.tokens),
+            "run_seconds": list(contender.seconds),
         }
         if contender.spec is not None:
             row.update(added_memory(contender.spec))
@@ -277,6 +293,7 @@ COLUMNS = [
     ("contender", "contender", "{}"),
     ("tokens_per_s", "tokens/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("paired_speedup", "paired speedup", "{:.2f}x"),
     ("vs_compiled_generate", "vs generate compiled", "{:.2f}x"),
     ("matched", "greedy match", "{}"),
     ("alpha_hat", "alpha_hat", "{:.3f}"),
