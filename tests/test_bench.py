@@ -91,19 +91,23 @@ def test_a_wrong_output_is_reported_as_a_mismatch(model):
 
 
 def test_the_paired_speedup_divides_each_run_by_the_baseline_on_the_same_prompt():
-    def timed(name, seconds, baseline=False, prompts=(0, 1, 2)):
+    def timed(name, tokens, seconds, baseline=False, prompts=(0, 1, 2)):
         contender = Contender(name, False, None, baseline=baseline)
-        contender.tokens, contender.seconds, contender.prompt_indices = [10] * 3, list(seconds), list(prompts)
+        contender.tokens, contender.seconds, contender.prompt_indices = list(tokens), list(seconds), list(prompts)
         return contender
 
-    # tokens/s per prompt: generate 10, 2.5, 5; the contender 20, 7.5, 5 (2x, 3x and 1x on the same prompts)
-    generate, contender = timed("generate", [1, 4, 2], baseline=True), timed("fast", [0.5, 4 / 3, 2])
+    # tokens/s per prompt: generate 10, 2.5, 5; the contender 24, 7.5, 5: 2.4x, 3x and 1x on the same prompts
+    generate = timed("generate", [10, 20, 10], [1, 8, 2], baseline=True)
+    contender = timed("fast", [12, 15, 10], [0.5, 2, 2])
     rows = {row["contender"]: row for row in summarize([generate, contender])}
     assert rows["fast"]["speedup"] == pytest.approx(7.5 / 5)  # the medians' ratio: different middle prompts
-    assert rows["fast"]["paired_speedup"] == pytest.approx(2.0)  # the median of 2, 3 and 1
-    assert rows["fast"]["run_seconds"] == [0.5, 4 / 3, 2] and rows["generate"]["paired_speedup"] == 1.0
+    # the median of 2.4, 3 and 1; not their mean (2.13), nor sorted rates divided unpaired (2.0), nor seconds
+    # alone (2, 4, 1: 2.0)
+    assert rows["fast"]["paired_speedup"] == pytest.approx(2.4)
+    assert rows["fast"]["run_seconds"] == [0.5, 2, 2] and rows["fast"]["run_tokens"] == [12, 15, 10]
+    assert rows["generate"]["paired_speedup"] == 1.0
     with pytest.raises(ValueError, match="ran different prompts"):
-        summarize([generate, timed("other", [1, 1, 1], prompts=(2, 1, 0))])
+        summarize([generate, timed("other", [10] * 3, [1, 1, 1], prompts=(2, 1, 0))])
 
 
 def test_prompt_files_are_checked(tmp_path):
