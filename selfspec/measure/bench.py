@@ -207,8 +207,7 @@ def paired_speedup(contender: Contender, baseline: Contender) -> float:
 
 def summarize(contenders: list[Contender]) -> list[dict]:
     """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
-    baseline_of = {c.sampling: c for c in contenders if c.baseline}
-    baselines = {sampling: _rate(c) for sampling, c in baseline_of.items()}
+    baseline_of = {c.sampling: c for c in contenders if c.baseline}  # sampling contenders without their own: greedy
     compiled_generate = next((_rate(c) for c in contenders if c.compiled and c.spec is None), None)
     steps = {}  # the plain loop's time per token, eager and compiled
     for plain in (c for c in contenders if c.plain_loop and c.compiled not in steps):
@@ -216,12 +215,13 @@ def summarize(contenders: list[Contender]) -> list[dict]:
     rows = []
     for contender in contenders:
         rate, step = _rate(contender), steps.get(contender.compiled)
+        baseline = baseline_of.get(contender.sampling, baseline_of[False])
         row = {
             "contender": contender.name,
             "sampling": contender.sampling,
             "tokens_per_s": rate,
-            "speedup": rate / baselines.get(contender.sampling, baselines[False]),
-            "paired_speedup": paired_speedup(contender, baseline_of.get(contender.sampling, baseline_of[False])),
+            "speedup": rate / _rate(baseline),
+            "paired_speedup": paired_speedup(contender, baseline),
             "vs_compiled_generate": rate / compiled_generate if compiled_generate and not contender.sampling else None,
             "matched": match_summary(contender.matched),
             "ties": sum(verdict == TIE for verdict in contender.matched),
