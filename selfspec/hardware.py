@@ -58,7 +58,7 @@ def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
 def speculation_dtype(device: str | torch.device = "cpu") -> tuple[str, str]:
     """(dtype name, why) in which a target that runs in half precision where it can should run on `device`:
     bfloat16 where it is native (decoding reads half the bytes and a verify pass costs about a step), else float32
-    (faster than bf16's fallback kernels over several positions; a pass over several positions may still cost well over a
-    step there: 1.5-2.5 plain steps for 2-16 positions on an AVX2 Zen 3, which `spec.stats.verify_costs` shows)."""
+    (faster than bf16's fallback kernels over several positions, where a verify pass may still cost well over a
+    step: 1.5-2.5 plain steps for 2-16 positions on an AVX2 Zen 3, which `spec.stats.verify_costs` shows)."""
     native, why = native_bf16(device)
     return ("bfloat16", why) if native else ("float32", why)
