@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_medusa import medusa_heads
-from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import ROWS, chi_square_pvalue, exact_law, sampled_counts
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import ExitHeads, SelfSpeculative, load_heads
@@ -90,7 +90,7 @@ def test_sampling_with_a_draft_lora_is_distributed_as_the_target():
     model = tiny_model("llama", seed=3, vocab_size=4, num_layers=3, hidden=16, logit_scale=20.0)
     heads = with_lora(exit_heads(model, [1]), model, r=2, scale=1.0)
     spec = SelfSpeculative(model, heads=heads, exit_layer=1, num_draft_tokens=2)
-    pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.9), exact_law(model, temperature=0.9))
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=0.9), exact_law(model, temperature=0.9))
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import batched_counts
 from test_medusa import medusa_heads
-from test_sampling_exactness import NEW_TOKENS, PROMPT, SAMPLES, chi_square_pvalue, exact_law
+from test_sampling_exactness import NEW_TOKENS, PROMPT, ROWS, SAMPLES, chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import padded_prompts, random_prompt, tiny_model
 
@@ -85,13 +84,13 @@ def test_user_drafter_greedy_matches_generate(arch):
 
 def test_user_drafter_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
     spec = SelfSpeculative(sampling_model, drafter=ShiftDrafter(4, seed=1), num_draft_tokens=2)
-    counts = batched_counts(spec, temperature=0.8)  # 25 rows per call: rows accept on their own
+    counts = sampled_counts(spec, rows=ROWS, temperature=0.8)  # rows accept on their own
     assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) > 1e-3
 
 
 def test_ngram_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
     spec = SelfSpeculative(sampling_model, drafter="ngram", prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
-    counts = batched_counts(spec)
+    counts = sampled_counts(spec, rows=ROWS)
     assert chi_square_pvalue(counts, exact_law(sampling_model)) > 1e-3
     assert counts.sum() == SAMPLES and NEW_TOKENS == 3 and PROMPT.shape[0] == 1
 
@@ -103,7 +102,7 @@ def test_sampling_test_tells_a_broken_rule(sampling_model, monkeypatch):  # noqa
 
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     spec = SelfSpeculative(sampling_model, drafter=ShiftDrafter(4, seed=1), num_draft_tokens=2)
-    counts = batched_counts(spec, temperature=0.8)
+    counts = sampled_counts(spec, rows=ROWS, temperature=0.8)
     assert chi_square_pvalue(counts, exact_law(sampling_model, temperature=0.8)) < 1e-3
 
 

@@ -9,8 +9,7 @@ import contextlib
 import pytest
 import torch
 from test_batch import assert_rows_exact
-from test_families import batched_counts
-from test_sampling_exactness import PROMPT, VOCAB, chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import PROMPT, ROWS, VOCAB, chi_square_pvalue, exact_law, sampled_counts
 from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_model
 from transformers import DynamicCache
 
@@ -277,7 +276,7 @@ def test_sampling_is_distributed_as_the_target():
     """Batched sampling (25 rows accept on their own) from a 4-token model: the law of three tokens."""
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, num_layers=3, hidden=16, logit_scale=20.0)
     heads = eagle_heads(model, seed=1, layout="eagle3", feature_layers=[0, 1])
-    counts = batched_counts(SelfSpeculative(model, heads=heads, num_draft_tokens=2), temperature=0.8)
+    counts = sampled_counts(SelfSpeculative(model, heads=heads, num_draft_tokens=2), rows=ROWS, temperature=0.8)
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
 
 
@@ -317,7 +316,7 @@ def test_dynamic_tree_sampling_is_distributed_as_the_target():
     spec = SelfSpeculative(
         model, heads=eagle_heads(model, seed=2), tree={"nodes": 3, "top_k": 2, "depth": 2}, adaptive=False
     )
-    counts = sampled_counts(spec, temperature=0.8)
+    counts = sampled_counts(spec, temperature=0.8)  # trees verify one prompt at a time
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
     assert PROMPT.shape[0] == 1
 

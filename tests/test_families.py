@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_batch import assert_rows_exact
 from test_medusa import TREE, FutureOracle, medusa_heads
-from test_sampling_exactness import PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_law
+from test_sampling_exactness import ROWS, VOCAB, chi_square_pvalue, exact_law, sampled_counts
 from test_train_heads import VOCAB as WORD_IDS
 from test_train_heads import WORDS, build_tokenizer, sentence, summary, train_in_process, write_config
 from tiny_models import NEW_ARCHITECTURES, SLIDING_WINDOW, random_prompt, tiny_model
@@ -231,20 +231,6 @@ def test_llama_with_scaled_rope_matches_generate(rope_type):
     assert torch.equal(actual, expected), rope_type
 
 
-def batched_counts(spec: SelfSpeculative, rows: int = 25, **processing) -> torch.Tensor:
-    """Counts of the first three generated tokens over SAMPLES samples, drawn `rows` at a time."""
-    torch.manual_seed(0)
-    counts = torch.zeros(VOCAB**3, dtype=torch.float64)
-    accepted = proposed = 0
-    for _ in range(SAMPLES // rows):
-        out = spec.generate(PROMPT.expand(rows, -1), max_new_tokens=5, do_sample=True, **processing)
-        for t1, t2, t3 in out[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist():
-            counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
-        accepted, proposed = accepted + spec.stats.accepted, proposed + spec.stats.proposed
-    assert accepted >= 100 and proposed - accepted >= 100, f"{accepted} of {proposed} drafts accepted"
-    return counts
-
-
 @pytest.mark.parametrize("arch", NEW_ARCHITECTURES)
 def test_sampling_is_distributed_as_the_target(arch):
     """The sampling rule on each family (Granite's and Cohere2's logits are scaled): a 4-token vocabulary,
@@ -252,7 +238,7 @@ def test_sampling_is_distributed_as_the_target(arch):
     model = tiny_model(arch, seed=3, vocab_size=VOCAB, num_layers=4, hidden=16, logit_scale=20.0)
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2)
     law = exact_law(model, temperature=0.8)
-    pvalue = chi_square_pvalue(batched_counts(spec, temperature=0.8), law)
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=0.8), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 

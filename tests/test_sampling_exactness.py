@@ -5,6 +5,10 @@ enumerating all 64 continuations with full forward passes (no cache, processing 
 and thousands of `SelfSpeculative.generate(do_sample=True)` samples are compared with it by a chi-square
 test at a fixed seed. The same test, run with a broken rule (resampling from p after a rejection
 instead of from the residual), must fail: that shows the test can tell.
+
+The samples are drawn one prompt per call for the basic rule, the broken one and the trees (which verify one
+prompt at a time), and otherwise ROWS copies of the prompt per call: every row samples on its own and accepts its
+own number of drafts, so the law per row is the same, and the run takes a twenty-fifth of the calls.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from selfspec.engine import verify
 VOCAB = 4
 NEW_TOKENS = 3
 SAMPLES = 2500
+ROWS = 25  # prompts per call where the batch is not what a test is about
 PROMPT = torch.tensor([[1, 2, 3, 1, 0]])
 
 
@@ -63,17 +68,18 @@ def exact_law(model, **processing) -> torch.Tensor:
     return law
 
 
-def sampled_counts(spec: SelfSpeculative, seed: int = 0, **processing) -> torch.Tensor:
-    """Counts of the first three generated tokens over SAMPLES generations."""
+def sampled_counts(spec: SelfSpeculative, seed: int = 0, rows: int = 1, **processing) -> torch.Tensor:
+    """Counts of the first three generated tokens over SAMPLES samples, drawn `rows` at a time (the prompt in every
+    row of a call)."""
     torch.manual_seed(seed)
     counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
     accepted = proposed = 0
-    for _ in range(SAMPLES):
+    for _ in range(SAMPLES // rows):
         # two tokens more than the law covers, so that one iteration after the prefill can draft gamma = 2
         # (or a tree of depth 2) into the three tokens checked; the law of a prefix does not depend on them
-        out = spec.generate(PROMPT, max_new_tokens=NEW_TOKENS + 2, do_sample=True, **processing)
-        t1, t2, t3 = out[0, PROMPT.shape[1] : PROMPT.shape[1] + NEW_TOKENS].tolist()
-        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+        out = spec.generate(PROMPT.expand(rows, -1), max_new_tokens=NEW_TOKENS + 2, do_sample=True, **processing)
+        for t1, t2, t3 in out[:, PROMPT.shape[1] : PROMPT.shape[1] + NEW_TOKENS].tolist():
+            counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
         accepted, proposed = accepted + spec.stats.accepted, proposed + spec.stats.proposed
     # both branches of the rule must run many times for the test to bite
     assert accepted >= 100 and proposed - accepted >= 100, f"{accepted} of {proposed} drafts accepted"
@@ -94,17 +100,17 @@ def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 SETTINGS = [
-    pytest.param(1, {"temperature": 1.0}, id="temperature-1-gamma-1"),
-    pytest.param(2, {"temperature": 0.7}, id="temperature-0.7-gamma-2"),
-    pytest.param(2, {"top_k": 3}, id="top-k-3"),
-    pytest.param(2, {"top_p": 0.8}, id="top-p-0.8"),
+    pytest.param(1, {"temperature": 1.0}, 1, id="temperature-1-gamma-1-one-row"),
+    pytest.param(2, {"temperature": 0.7}, ROWS, id="temperature-0.7-gamma-2"),
+    pytest.param(2, {"top_k": 3}, ROWS, id="top-k-3"),
+    pytest.param(2, {"top_p": 0.8}, ROWS, id="top-p-0.8"),
 ]
 
 
-@pytest.mark.parametrize("num_draft_tokens,processing", SETTINGS)
-def test_sampling_is_distributed_as_the_target(model, num_draft_tokens, processing):
+@pytest.mark.parametrize("num_draft_tokens,processing,rows", SETTINGS)
+def test_sampling_is_distributed_as_the_target(model, num_draft_tokens, processing, rows):
     law = exact_law(model, **processing)
-    counts = sampled_counts(early_exit(model, num_draft_tokens), **processing)
+    counts = sampled_counts(early_exit(model, num_draft_tokens), rows=rows, **processing)
     pvalue = chi_square_pvalue(counts, law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
@@ -112,7 +118,7 @@ def test_sampling_is_distributed_as_the_target(model, num_draft_tokens, processi
 def test_medusa_chain_sampling_is_distributed_as_the_target(model):
     heads = medusa_heads(model, num_heads=2, scale=0.3)
     law = exact_law(model, top_k=3)
-    counts = sampled_counts(SelfSpeculative(model, heads=heads, num_draft_tokens=2), top_k=3)
+    counts = sampled_counts(SelfSpeculative(model, heads=heads, num_draft_tokens=2), rows=ROWS, top_k=3)
     pvalue = chi_square_pvalue(counts, law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
@@ -121,14 +127,14 @@ def test_reduced_draft_vocabulary_sampling_is_distributed_as_the_target(model):
     """q supported on 2 of the 4 tokens: the other two are reached only through the residual."""
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_vocab=[0, 2])
     law = exact_law(model, temperature=0.9)
-    pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.9), law)
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=0.9), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 
 def test_int8_draft_head_sampling_is_distributed_as_the_target(model):
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_quant="int8")
     law = exact_law(model, top_p=0.9)
-    pvalue = chi_square_pvalue(sampled_counts(spec, top_p=0.9), law)
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, top_p=0.9), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 
@@ -136,7 +142,7 @@ def test_confidence_stopped_drafts_sampling_is_distributed_as_the_target(model):
     """Chains cut where the draft is unsure: the cut depends on the drafts alone, so the law is unchanged."""
     spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_confidence=0.7)
     law = exact_law(model, temperature=1.0)
-    pvalue = chi_square_pvalue(sampled_counts(spec, temperature=1.0), law)
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=1.0), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 

@@ -224,3 +224,16 @@ def test_loop_profile_times_the_eagle_tree_and_the_merged_tree_section_by_sectio
     assert "draft_vocab" not in loop_profile.mode_options(None, "ngram", {}, 3, ({}, 3), [5])
     with pytest.raises(SystemExit, match="--merged_tree takes NODES-TOP_K-DEPTH"):
         loop_profile.main([*argv[:-4], "--merged_tree", "2-2"])
+
+
+def test_loop_profile_runs_a_committed_version_beside_the_working_tree_on_prompts_per_category(tmp_path, capsys):
+    """--before REF imports the package as committed at REF (its submodules too, which its lazy exports do not
+    load) and times it interleaved; --limit_per_category picks the first prompts of each Spec-Bench category."""
+    from selfspec.cli import loop_profile
+
+    model_args = eagle_bench_args(tmp_path)[1:5] + ["--heads", str(tmp_path / "eagle")]
+    argv = [*model_args, "--modes", "plain,eagle", "--limit_per_category", "1", "--num_prompts", "2"]
+    assert loop_profile.main([*argv, "--repeats", "1", "--max_new_tokens", "6", "--before", "HEAD"]) == 0
+    out = capsys.readouterr().out
+    assert "| section (us per iteration) | plain | eagle | plain @HEAD | eagle @HEAD |" in out
+    assert "mean over 2 prompts (4-5 tokens) x 1 repeats" in out  # mt_bench's first and qa's first

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import batched_counts
-from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import ROWS, chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import chat_tokenizer, padded_prompts, random_prompt, tiny_model
 
@@ -150,7 +149,7 @@ def test_suffix_tree_sampling_is_distributed_as_the_target(sampling_model):  # n
 
 def test_suffix_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F811
     spec = SelfSpeculative(sampling_model, drafter=SuffixDrafter(num_speculative_tokens=2), position_cost=0.0)
-    counts = batched_counts(spec)  # every call learns from the earlier samples: drafts come from the cache too
+    counts = sampled_counts(spec, rows=ROWS)  # every call learns from the earlier samples: drafts from the cache too
     assert chi_square_pvalue(counts, exact_law(sampling_model)) > 1e-3
 
 

@@ -136,11 +136,12 @@ def _new_family_config(arch: str, llama_like: dict, num_layers: int):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0, logit_scale: float = 8.0, **config_overrides):
-    """A tiny model of family `arch` in eval mode, its LM head scaled by `logit_scale`."""
+def tiny_model(arch: str, seed: int = 0, logit_scale: float = 8.0, attention: str = "eager", **config_overrides):
+    """A tiny model of family `arch` in eval mode, its LM head scaled by `logit_scale`, attending with `attention`
+    (transformers' attn_implementation: eager, or sdpa as real models load)."""
     torch.manual_seed(seed)
     config = tiny_config(arch, **config_overrides)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
     return model.eval()

@@ -3,7 +3,8 @@
 The rest of selfspec sees a `ModelAdapter` (`core`): it runs the whole model, its first k decoder layers or the
 layers above them, the model's own final norm and LM head, and crops or rearranges the cache. `DraftVocabulary`
 (`vocab`) is the LM head as drafts read it. `OneLayerModel` (`one_layer`) is one decoder layer of the target's own
-class, the body of an EAGLE head; `unrolled` is the block-sparse attention of its unrolled training steps.
+class, the body of an EAGLE head; `unrolled` is the block-sparse attention of its unrolled training steps, and
+`grouped` the attention of passes over several positions that reads grouped keys without copying them.
 `CompiledAdapter` (`static`) runs the full passes compiled over a pre-allocated static cache.
 """
 

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..families import MIXED_MASK_MODELS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, unsupported_message
+from .grouped import grouped_attention
 from .vocab import DraftVocabulary
 
 FINAL = "final"  # among captured hidden states: the last one after the final norm (the LM head's input)
@@ -269,14 +270,15 @@ class ModelAdapter:
 
     # ---------------------------------------------------------------------------------------- passes
     def _forward(self, input_ids, position_ids, cache, attention_mask, logits_to_keep: int = 0):
-        return self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{self._cache_keyword: cache},
-        )
+        with grouped_attention(self.config):  # no copy of the cached keys per query head (`.grouped`)
+            return self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_keyword: cache},
+            )
 
     def forward(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0) -> torch.Tensor:
         """All layers: logits `[batch, positions, vocab]` (the last `logits_to_keep` positions if > 0)."""

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 from ..families import SUPPORTED_ARCHITECTURES, unsupported_message
 from .core import UnsupportedModelError, cache_keyword
+from .grouped import grouped_attention
 from .unrolled import only_queries, unrolled_attention
 
 LAYOUTS = ("eagle", "eagle3")
@@ -130,13 +131,14 @@ class OneLayerModel(nn.Module):
         if joined is not None:
             joined.states = token_states
         try:
-            out = self.base(
-                inputs_embeds=hidden,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                use_cache=True,
-                **{self._cache_keyword: cache},
-            )
+            with grouped_attention(self.base.config):  # inside `unrolled()` the unrolled attention stays
+                out = self.base(
+                    inputs_embeds=hidden,
+                    position_ids=position_ids,
+                    attention_mask=attention_mask,
+                    use_cache=True,
+                    **{self._cache_keyword: cache},
+                )
         finally:
             if joined is not None:
                 joined.states = None

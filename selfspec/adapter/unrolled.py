@@ -25,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .grouped import attention_as
+
 NAME = "selfspec_unrolled_sdpa"
 CHUNK = 256  # queries per chunk: 128-512 time within 20% of each other at L = 2048 (bf16, one thread)
 _NEEDED: ContextVar[torch.Tensor | None] = ContextVar("selfspec_unrolled_queries", default=None)
@@ -100,16 +102,7 @@ def unrolled_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
 AttentionInterface.register(NAME, unrolled_sdpa)
 
 
-@contextmanager
 def unrolled_attention(config):
     """Within the block, a model built from `config` whose attention is SDPA attends with `unrolled_sdpa`; other
     attention implementations (eager, or a family's own) keep the dense mask."""
-    before = config._attn_implementation
-    if before != "sdpa":
-        yield
-        return
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return attention_as(config, NAME)

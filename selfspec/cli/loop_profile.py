@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..measure.prompts import first_per_category
 from .commands import merged_shapes
 from .options import encode, load_target
 from .parsers import HelpFormatter, add_model_arguments
@@ -195,8 +196,10 @@ def build_runs(args, model, heads_paths: dict, vocab=None) -> list[tuple[str, ob
     packages = [load_package(None)] + ([load_package(args.before)] if args.before else [])
     runs = []
     for package in packages:
-        adapter = package.adapter.ModelAdapter(model)
-        heads = {kind: package.heads.load_heads(path, adapter) for kind, path in heads_paths.items()}
+        # submodules by import: the package's lazy exports do not name them, and a copy (--before) has none loaded yet
+        adapter = importlib.import_module(f"{package.__name__}.adapter").ModelAdapter(model)
+        load_heads = importlib.import_module(f"{package.__name__}.heads").load_heads
+        heads = {kind: load_heads(path, adapter) for kind, path in heads_paths.items()}
         for mode in args.modes.split(","):
             label = mode if package.__name__ == "selfspec" else f"{mode} @{args.before}"
             options = mode_options(package, mode, heads, args.gamma, args.merged_tree, vocab)
@@ -313,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gamma", type=int, default=3, help="drafts per iteration of the chain modes")
     parser.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
+    parser.add_argument(
+        "--limit_per_category", type=int, help="Spec-Bench prompts: the first N per category (then --num_prompts)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (after a warm-up)")
     parser.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     parser.add_argument("--before", help="also time the loop as it was at this git commit, interleaved")
@@ -329,12 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.heads or default_heads(args.model or "demo")
     kinds = {ExitHeads: "exit", MedusaHeads: "medusa", EagleHeads: "eagle"}
     heads_paths = {kinds[type(loaded)]: path for path, loaded in zip(paths, heads.values(), strict=True)}
+    if args.limit_per_category:
+        prompt_texts = first_per_category(prompt_texts, args.limit_per_category)
     prompts = encode(tokenizer, prompt_texts[: args.num_prompts], model.device)
     runs = build_runs(args, model, heads_paths, vocab)
     names, table = summarize(measure(runs, prompts, args))
     mode = "sampling" if args.do_sample else "greedy"
-    print(f"\nmean over {args.num_prompts} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, "
-          f"gamma {args.gamma}, {mode}, {torch.get_num_threads()} thread(s)\n")  # fmt: skip
+    lengths = sorted(prompt.shape[1] for prompt in prompts)
+    threads = torch.get_num_threads()
+    print(f"\nmean over {len(prompts)} prompts ({lengths[0]}-{lengths[-1]} tokens) x {args.repeats} repeats, "
+          f"{args.max_new_tokens} new tokens, gamma {args.gamma}, {mode}, {threads} thread(s)\n")  # fmt: skip
     print_tables(names, table, ratios(table))
     if args.ops:
         op_view(runs, prompts[0], args)
