@@ -67,11 +67,11 @@ def test_a_verify_pass_reads_grouped_keys_in_place_and_gives_the_same_logits(mon
               past_key_values=reference_cache)  # fmt: skip
         calls = sdpa_calls(monkeypatch)
         ours = adapter.forward(drafts, positions[:, 30:], cache, mask)
-        grouped = list(calls)
+        in_pass = list(calls)
         theirs = model(input_ids=drafts, position_ids=positions[:, 30:], attention_mask=mask,
                        past_key_values=reference_cache).logits  # fmt: skip
-    assert grouped == [True] * model.config.num_hidden_layers  # every layer of the pass, none copied
-    assert calls[len(grouped) :] == [False] * model.config.num_hidden_layers  # transformers' own path, outside
+    assert in_pass == [True] * model.config.num_hidden_layers  # every layer of the pass, none copied
+    assert calls[len(in_pass) :] == [False] * model.config.num_hidden_layers  # transformers' own path, outside
     assert torch.equal(ours, theirs)
     assert model.config._attn_implementation == "sdpa"  # restored after the pass
 
@@ -126,4 +126,4 @@ def test_greedy_output_of_sdpa_targets_equals_generate(arch, monkeypatch):
     expected = model.generate(padded, attention_mask=mask, max_new_tokens=20, do_sample=False)
     chain = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3, adaptive=False)
     assert torch.equal(chain.generate(padded, attention_mask=mask, max_new_tokens=20, do_sample=False), expected)
-    assert any(calls)  # the grouped path ran (and generate's passes never take it)
+    assert any(calls)  # the grouped path ran in selfspec's passes
