@@ -9,7 +9,8 @@ import os
 
 from torch import nn
 
-from .adapter import FINAL, ModelAdapter
+from .adapter import FINAL, ModelAdapter, unwrap_model
+from .adapter.packed import packed_by_default
 from .adapter.static import CompiledAdapter
 from .drafters.build import MODEL_FREE, build_drafters
 from .engine.adaptive import check_position_cost
@@ -25,7 +26,8 @@ class SelfSpeculative(DecodingLoop):
     Medusa heads, n-gram lookup, or a drafter of your own), checks them in one pass of the full model, and
     keeps exactly the tokens the full model would have produced: greedy output is token-identical to
     `model.generate(do_sample=False)`, sampled output is distributed as `model.generate(do_sample=True)`'s.
-    One set of weights and one KV cache are used.
+    One set of weights and one KV cache are used (and, for float32 targets on x86 CPUs with memory to spare, a packed
+    copy of the linear weights that makes verify passes cheaper: `packed_weights`).
 
     Args:
         model: the loaded causal LM (Llama, Qwen2, Mistral, Phi3, Gemma, Gemma2, GPT-2, GPT-NeoX families).
@@ -87,6 +89,11 @@ class SelfSpeculative(DecodingLoop):
             own must not run the target on the cache in `draft`), models without sliding-window layers; calls on
             one instance must not overlap (one cache). Greedy output stays token-identical to `model.generate` in
             float32 (tested), and in half precision up to ties (see the README). Default: False.
+        packed_weights: keep a copy of the target's float32 linear weights in oneDNN's blocked layout and multiply
+            passes over several positions (verify passes, trees, the prompt) with it, where MKL's kernels read a
+            row-major weight slowly (`selfspec.adapter.packed`); one-position steps keep transformers' product. It
+            costs a second copy of those weights. Default: on for an eager float32 target on an x86 CPU whose copy
+            takes at most a tenth of the machine's memory (`packed_by_default`), off otherwise.
 
     Attributes:
         drafters: every drafter in use, in order of preference: a tuple whose repr names each one, e.g.
@@ -114,6 +121,7 @@ class SelfSpeculative(DecodingLoop):
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
         compile: bool | dict = False,
+        packed_weights: bool | None = None,
     ):
         self.model = model
         if not isinstance(compile, bool | dict):
@@ -123,7 +131,12 @@ class SelfSpeculative(DecodingLoop):
         # drafters by name that read no weights need only the whole model's forward: any causal LM with a KV cache
         names = drafter if isinstance(drafter, list | tuple) else [drafter]
         model_free = all(isinstance(name, str) and name in MODEL_FREE for name in names) and heads is None
-        self.adapter = CompiledAdapter(model, options) if self.compiled else ModelAdapter(model, whole_model=model_free)
+        self.packed_weights = self._packing(model, packed_weights)
+        self.adapter = (
+            CompiledAdapter(model, options)
+            if self.compiled
+            else ModelAdapter(model, whole_model=model_free, packed_weights=self.packed_weights)
+        )
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads
@@ -179,6 +192,19 @@ class SelfSpeculative(DecodingLoop):
         self.stats = None
         if self.compiled:
             self._check_compiled()
+
+    def _packing(self, model: nn.Module, packed_weights: bool | None) -> bool:
+        """Whether the eager passes multiply with packed weights: as asked, or `packed_by_default`."""
+        if packed_weights is None:
+            return not self.compiled and packed_by_default(unwrap_model(model))[0]
+        if not isinstance(packed_weights, bool):
+            raise TypeError(f"packed_weights={packed_weights!r}: pass True, False or None (the default's rule).")
+        if packed_weights and self.compiled:
+            raise ValueError(
+                "packed_weights=True packs the weights of eager passes; compile=True compiles the passes (inductor "
+                "chooses its own kernels). Pass one of the two."
+            )
+        return packed_weights
 
     def _collect_hidden_layers(self) -> tuple:
         """The target hidden states any drafter reads, checked against the model."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from ..families import MIXED_MASK_MODELS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, unsupported_message
 from .grouped import grouped_attention
+from .packed import PackedLinears
 from .vocab import DraftVocabulary
 
 FINAL = "final"  # among captured hidden states: the last one after the final norm (the LM head's input)
@@ -92,9 +93,11 @@ class ModelAdapter:
 
     `whole_model=True` is for drafters that read no weights (n-gram lookup, suffix drafting): they need the full
     forward and a cache that can be cropped, so any causal LM whose cache layers are plain attention KV layers is
-    taken, of a supported family or not; the layer ranges, hidden states and LM-head rows are then unavailable."""
+    taken, of a supported family or not; the layer ranges, hidden states and LM-head rows are then unavailable.
+    `packed_weights=True` keeps a packed copy of the float32 linear weights for passes over several positions
+    (`selfspec.adapter.packed`)."""
 
-    def __init__(self, model: nn.Module, whole_model: bool = False):
+    def __init__(self, model: nn.Module, whole_model: bool = False, packed_weights: bool = False):
         self.model = unwrap_model(model)
         config = getattr(self.model, "config", None)
         if config is None:
@@ -141,6 +144,8 @@ class ModelAdapter:
         self.rope_switch = _longrope_switch(config)
         self._cache_keyword = cache_keyword(self.model.forward)
         self._layer_returns_tuple = False
+        # passes over several positions multiply with a packed copy of the linear weights (`.packed`)
+        self.packed = PackedLinears(self.model) if packed_weights else None
 
     # ----------------------------------------------------------------------------------------- facts
     @property
@@ -270,7 +275,8 @@ class ModelAdapter:
 
     # ---------------------------------------------------------------------------------------- passes
     def _forward(self, input_ids, position_ids, cache, attention_mask, logits_to_keep: int = 0):
-        with grouped_attention(self.config):  # no copy of the cached keys per query head (`.grouped`)
+        packed = self.packed() if self.packed is not None and input_ids.numel() > 1 else nullcontext()
+        with grouped_attention(self.config), packed:  # no copy of the cached keys per query head (`.grouped`)
             return self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
