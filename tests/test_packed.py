@@ -151,3 +151,31 @@ def test_selfspeculative_packs_by_the_rule_and_refuses_what_it_cannot_pack():
         SelfSpeculative(model, drafter="ngram", compile=True, packed_weights=True)
     with pytest.raises(TypeError, match="packed_weights='yes'"):
         SelfSpeculative(model, exit_layer=2, packed_weights="yes")
+
+
+def test_the_bench_runs_unpacked_copies_of_packed_contenders():
+    from selfspec.measure.contenders import generate_contender, selfspec_contender, unpacked_contenders
+
+    model = tiny_model("llama", seed=1)
+    contenders = [
+        generate_contender(model, "generate", False, 1.0),
+        selfspec_contender(model, "selfspec exit", False, 1.0, exit_layer=2, packed_weights=True),
+        selfspec_contender(model, "selfspec plain loop", False, 1.0, num_draft_tokens=0, packed_weights=False),
+    ]
+    (unpacked,) = unpacked_contenders(contenders)
+    assert unpacked.name == "selfspec exit (unpacked)"
+    assert unpacked.spec.packed_weights is False and unpacked.spec.adapter.packed is None
+    assert unpacked.options == {"exit_layer": 2, "packed_weights": False}
+    prompt = random_prompt(12, seed=3)
+    assert torch.equal(unpacked.run(prompt, 16), contenders[0].run(prompt, 16))
+
+
+def test_wrappers_of_one_model_share_one_packed_copy():
+    model = tiny_model("llama", seed=1)
+    first, second = ModelAdapter(model, packed_weights=True), ModelAdapter(model, packed_weights=True)
+    with torch.no_grad():
+        first.forward(torch.randint(2, 96, (1, 6)), torch.arange(6)[None], first.new_cache())
+        copies = [packed._PACKED[m].packed for m in first.packed.modules]
+        second.forward(torch.randint(2, 96, (1, 6)), torch.arange(6)[None], second.new_cache())
+    assert all(packed._PACKED[m].packed is copy for m, copy in zip(second.packed.modules, copies, strict=True))
+    assert second.packed.nbytes == first.packed.nbytes >= packed.linear_bytes(model)

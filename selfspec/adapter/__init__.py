@@ -4,7 +4,8 @@ The rest of selfspec sees a `ModelAdapter` (`core`): it runs the whole model, it
 layers above them, the model's own final norm and LM head, and crops or rearranges the cache. `DraftVocabulary`
 (`vocab`) is the LM head as drafts read it. `OneLayerModel` (`one_layer`) is one decoder layer of the target's own
 class, the body of an EAGLE head; `unrolled` is the block-sparse attention of its unrolled training steps, and
-`grouped` the attention of passes over several positions that reads grouped keys without copying them.
+`grouped` the attention of passes over several positions that reads grouped keys without copying them, and `packed`
+the copy of the float32 linear weights in oneDNN's layout that those passes multiply with.
 `CompiledAdapter` (`static`) runs the full passes compiled over a pre-allocated static cache.
 """
 

@@ -2,24 +2,26 @@
 
 A verify pass is a product of a few rows (gamma + 1 positions, a tree's candidates) with every weight of the model.
 For such products MKL's float32 kernels read a row-major weight at about half the speed of one row's product: on
-the AMD EPYC (AVX2) this was measured on, SmolLM2-135M's linear layers and LM head took 51 ms for one row, 73 for
-two and 89 for four, when each pass reads the weights from memory. oneDNN, with each weight reordered once into its
-own blocked layout, took 62 ms for two rows and 64 for four (docs/benchmarks.md, "Packed weights for verify
+the AMD EPYC (AVX2) this was measured on, SmolLM2-135M's linear layers and LM head took 50 ms for one row, 88 for
+two and 103 for four, when each pass reads the weights from memory. oneDNN, with each weight reordered once into its
+own blocked layout, took 60 ms for two rows and 69 for four (docs/benchmarks.md, "Packed weights for verify
 passes"). So the adapter keeps such a copy of the target's float32 linear weights and, around a full pass over two
 or more positions (`ModelAdapter._forward`), points each `nn.Linear` of the target at it; a one-position step
-keeps transformers' own product, as `model.generate` runs it. The results differ from MKL's only in rounding
-(about 1e-6 of a logit in float32), as a pass over several positions already does from one-position steps.
+keeps torch's own product, as `model.generate` runs it. The results differ from MKL's only in rounding (5.5e-5 at
+most in SmolLM2's float32 logits over a pass of 4 positions), as a pass over several positions already does from
+one-position steps.
 
-The price is memory: a second copy of those weights. `packed_by_default` switches it on only for a float32 target
-on an x86 CPU whose copy takes at most a tenth of the machine's memory; `SelfSpeculative(packed_weights=False)`
-keeps one copy. A weight changed after packing (in place, or replaced) is packed again at its next use, so the
-products always follow the model's current weights.
+The price is memory: a second copy of those weights (one, however many wrappers drive the model). `packed_by_default`
+switches it on only for a float32 target on an x86 CPU whose copy takes at most a tenth of the machine's memory;
+`SelfSpeculative(packed_weights=False)` keeps one copy. A weight changed after packing (in place, or replaced) is packed
+again at its next use, so the products always follow the model's current weights.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -106,9 +108,14 @@ class _Packed:
     packed: torch.Tensor
 
 
+# nn.Linear -> its packed weight: one copy per layer, however many wrappers drive the model; weak, so it goes with it
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class PackedLinears:
     """A packed copy of a model's float32 `nn.Linear` weights, used inside `with packed(): ...` for products of two
-    rows or more. Packing happens at a weight's first use."""
+    rows or more. Packing happens at a weight's first use; the copies are shared by every `PackedLinears` of the
+    model."""
 
     def __init__(self, model: nn.Module):
         available, why = packing_available()
@@ -120,21 +127,21 @@ class PackedLinears:
                 f"packed_weights: {type(model).__name__} has no float32 nn.Linear on a CPU to pack (its dtype or "
                 "device, or hooks that replaced the layers' forward)."
             )
-        self._packed: dict[nn.Linear, _Packed] = {}
         self._forwards = [(m, self._forward_of(m)) for m in self.modules]  # built once: a pass only assigns them
 
     @property
     def nbytes(self) -> int:
-        """Bytes the packed copies made so far take."""
-        return sum(entry.packed.nelement() * entry.packed.element_size() for entry in self._packed.values())
+        """Bytes the packed copies of this model's layers made so far take."""
+        entries = [_PACKED[m] for m in self.modules if m in _PACKED]
+        return sum(entry.packed.nelement() * entry.packed.element_size() for entry in entries)
 
     def _weight(self, module: nn.Linear) -> torch.Tensor:
         """The packed copy of `module.weight`, packed again if the weight changed since."""
         weight = module.weight
-        entry = self._packed.get(module)
+        entry = _PACKED.get(module)
         state = (weight._version, weight.data_ptr())
         if entry is None or entry.weight is not weight or (entry.version, entry.address) != state:
-            entry = self._packed[module] = _Packed(weight, *state, pack(weight))
+            entry = _PACKED[module] = _Packed(weight, *state, pack(weight))
         return entry.packed
 
     def _forward_of(self, module: nn.Linear):

@@ -29,6 +29,7 @@ from ..measure.contenders import (
     merged_contenders,
     selfspec_contender,
     standard_contenders,
+    unpacked_contenders,
 )
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
@@ -110,6 +111,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
     if args.fixed_trees:
         contenders += fixed_tree_contenders(contenders)
+    if args.unpacked:
+        contenders += unpacked_contenders(contenders)
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..adapter import read_token_ids
+from ..adapter.packed import packed_by_default
 from ..hardware import speculation_dtype
 from ..heads import DraftHeads, load_heads
 from ..measure.prompts import ChatPrompt, read_prompts
@@ -77,6 +78,8 @@ def load_target(args: argparse.Namespace, with_prompts: bool = True):
     resolve_dtype(args)
     path = target_path(args.model)
     model, tokenizer = load_cli_model(args.model, args.dtype, args.device)
+    packing, why = packed_by_default(model)  # what selfspec's eager contenders do (`SelfSpeculative(packed_weights=)`)
+    print(f"packed weights for passes over several positions: {'on' if packing else 'off'} ({why})", flush=True)
     heads_paths = args.heads if args.heads is not None else default_heads(args.model or DEFAULT_TARGET)
     adapter = ModelAdapter(model)
     heads: dict[type, DraftHeads] = {}

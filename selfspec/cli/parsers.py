@@ -145,6 +145,12 @@ def add_bench_parser(commands) -> None:
         "iteration, beside the default that takes plain steps where trees do not pay",
     )
     bench.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also run each selfspec contender that multiplies passes over several positions with packed weights "
+        "(the default for float32 targets on x86 CPUs) without them, named '... (unpacked)'",
+    )
+    bench.add_argument(
         "--suffix_memory",
         help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
         "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "

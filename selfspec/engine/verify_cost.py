@@ -24,14 +24,15 @@ from .state import DecodeState
 ROUNDS = 2  # timings per width; the fastest counts (a pause of the process only ever adds time)
 WIDTHS = (1, 2, 3, 5, 9)  # positions per pass measured, and the widest the call may verify; others are interpolated
 
-# model -> {(device, dtype, rows, widest): v by gamma}; weak, so a model's figures go with it
+# model -> {(device, dtype, packed weights, rows, widest): v by gamma}; weak, so a model's figures go with it
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def measured_verify_costs(adapter, state: DecodeState, max_gamma: int, hidden_layers=()) -> tuple[float, ...]:
     """v(gamma) for gamma = 0..max_gamma at the batch size of `state` (v(0) = 1): measured on `state`'s cache the
-    first time for this model, device, dtype and batch size, from the cache of figures after that."""
-    key = (str(adapter.device), str(adapter.dtype), state.batch_size, max_gamma)
+    first time for this model, device, dtype, weight layout and batch size, from the cache of figures after that."""
+    packed = getattr(adapter, "packed", None) is not None  # packed weights make wide passes cheaper
+    key = (str(adapter.device), str(adapter.dtype), packed, state.batch_size, max_gamma)
     known = _MEASURED.setdefault(adapter.model, {})
     if key not in known:
         known[key] = _measure(adapter, state, max_gamma, hidden_layers)

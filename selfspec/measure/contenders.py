@@ -93,29 +93,42 @@ def selfspec_contender(model: nn.Module, name: str, sampling: bool, temperature:
                      options=options, temperature=temperature)  # fmt: skip
 
 
-def fixed_tree_contenders(contenders: list[Contender]) -> list[Contender]:
-    """Each adaptive selfspec tree contender again with adaptive=False, named "... (fixed)": a tree verified every
-    iteration, against the default that falls back to plain steps where trees do not pay. Drafter objects among
-    the options are copied: a drafter that remembers earlier answers remembers each contender's own."""
+def variant_contenders(contenders: list[Contender], label: str, options: dict, where) -> list[Contender]:
+    """Each selfspec contender for which `where(contender)` holds, again with `options` on top of its own, named
+    "... (label)". Drafter objects among the options are copied: a drafter that remembers earlier answers remembers
+    each contender's own."""
     return [
         selfspec_contender(
-            c.spec.model, f"{c.name} (fixed)", c.sampling, c.temperature, **c.options | fixed_options(c.options)
+            c.spec.model,
+            f"{c.name} ({label})",
+            c.sampling,
+            c.temperature,
+            **c.options | copied_drafters(c.options) | options,
         )
         for c in contenders
-        if c.tree and c.spec is not None and c.spec.adaptive
+        if c.spec is not None and where(c)
     ]
 
 
-def fixed_options(options: dict) -> dict:
-    """adaptive=False, and `options`' drafter objects (`drafter=`: one, or in a list) as copies, for a second
-    wrapper."""
-    fixed = {"adaptive": False}
+def fixed_tree_contenders(contenders: list[Contender]) -> list[Contender]:
+    """Each adaptive selfspec tree contender again with adaptive=False, named "... (fixed)": a tree verified every
+    iteration, against the default that falls back to plain steps where trees do not pay."""
+    return variant_contenders(contenders, "fixed", {"adaptive": False}, lambda c: c.tree and c.spec.adaptive)
+
+
+def unpacked_contenders(contenders: list[Contender]) -> list[Contender]:
+    """Each selfspec contender that multiplies with packed weights again without them, named "... (unpacked)"."""
+    return variant_contenders(contenders, "unpacked", {"packed_weights": False}, lambda c: c.spec.packed_weights)
+
+
+def copied_drafters(options: dict) -> dict:
+    """`options`' drafter objects (`drafter=`: one, or in a list) as copies, for a second wrapper."""
     drafter = options.get("drafter")
     if isinstance(drafter, Drafter):
-        fixed["drafter"] = copy.deepcopy(drafter)
-    elif isinstance(drafter, list | tuple):
-        fixed["drafter"] = [copy.deepcopy(d) if isinstance(d, Drafter) else d for d in drafter]
-    return fixed
+        return {"drafter": copy.deepcopy(drafter)}
+    if isinstance(drafter, list | tuple):
+        return {"drafter": [copy.deepcopy(d) if isinstance(d, Drafter) else d for d in drafter]}
+    return {}
 
 
 def compiled_contenders(
