@@ -80,6 +80,18 @@ def test_weights_changed_after_packing_are_packed_again():
         assert torch.allclose(projection(y), expected, atol=1e-5)
 
 
+def test_a_model_moved_to_another_dtype_after_packing_multiplies_with_torch(monkeypatch):
+    model = tiny_model("llama", seed=1)
+    spec = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3, packed_weights=True)
+    prompt = random_prompt(12, seed=4)
+    spec.generate(prompt, max_new_tokens=4, do_sample=False)  # packed
+    rows = product_rows(monkeypatch)
+    model.to(torch.float64)
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+    assert rows == []  # float64 weights: torch's products throughout
+
+
 def test_autograd_and_one_row_keep_torch_product(monkeypatch):
     model = tiny_model("llama", seed=1)
     linears = PackedLinears(model)
@@ -95,15 +107,29 @@ def test_autograd_and_one_row_keep_torch_product(monkeypatch):
     assert rows == [2]
 
 
-def test_layers_whose_forward_was_replaced_are_left_alone():
+def test_layers_whose_forward_was_replaced_or_made_in_inference_mode_are_left_alone():
     model = tiny_model("llama", seed=1)
     hooked = model.get_output_embeddings()
     hooked.forward = lambda x: torch.nn.functional.linear(x, hooked.weight)  # as accelerate's hooks do
+    with torch.inference_mode():
+        unversioned = model.model.layers[0].mlp.down_proj
+        unversioned.weight = torch.nn.Parameter(unversioned.weight.clone(), requires_grad=False)
     linears = PackedLinears(model)
-    assert hooked not in linears.modules and len(linears.modules) == len(linear_layers(model)) - 1
+    assert hooked not in linears.modules and unversioned not in linears.modules
+    assert len(linears.modules) == len(linear_layers(model)) - 2
+    late = model.model.layers[1].self_attn.q_proj  # a hook set after packing
+    theirs = late.forward = lambda x: torch.nn.functional.linear(x, late.weight)
     with linears():
-        pass
-    assert "forward" in hooked.__dict__  # still theirs
+        assert late.__dict__["forward"] is theirs
+    assert "forward" in hooked.__dict__ and late.__dict__["forward"] is theirs  # still theirs
+    with torch.inference_mode():
+        built_there = tiny_model("llama", seed=1)
+    assert packed.linear_bytes(built_there) == 0
+    assert packed_by_default(built_there, memory=2**40) == (False, "no linear layer of this model can be packed (see "
+                                                            "`packable`)")  # fmt: skip
+    assert SelfSpeculative(built_there, exit_layer=2).packed_weights is False
+    with pytest.raises(ValueError, match="no float32 nn.Linear"):
+        PackedLinears(built_there)
 
 
 @pytest.mark.parametrize("packed_weights", [True, False])

@@ -7,14 +7,13 @@ two and 103 for four, when each pass reads the weights from memory. oneDNN, with
 own blocked layout, took 60 ms for two rows and 69 for four (docs/benchmarks.md, "Packed weights for verify
 passes"). So the adapter keeps such a copy of the target's float32 linear weights and, around a full pass over two
 or more positions (`ModelAdapter._forward`), points each `nn.Linear` of the target at it; a one-position step
-keeps torch's own product, as `model.generate` runs it. The results differ from MKL's only in rounding (5.5e-5 at
-most in SmolLM2's float32 logits over a pass of 4 positions), as a pass over several positions already does from
-one-position steps.
+keeps torch's own product, as `model.generate` runs it. The results differ from MKL's only in float32 rounding,
+as a pass over several positions already does from one-position steps.
 
 The price is memory: a second copy of those weights (one, however many wrappers drive the model). `packed_by_default`
 switches it on only for a float32 target on an x86 CPU whose copy takes at most a tenth of the machine's memory;
-`SelfSpeculative(packed_weights=False)` keeps one copy. A weight changed after packing (in place, or replaced) is packed
-again at its next use, so the products always follow the model's current weights.
+`SelfSpeculative(packed_weights=False)` keeps one copy. A weight changed after packing (in place, or replaced) is
+packed again at its next use, so the products always follow the model's current weights.
 """
 
 from __future__ import annotations
@@ -56,12 +55,14 @@ def physical_memory() -> int | None:
 
 def packable(module: nn.Module) -> bool:
     """An `nn.Linear` itself (not a subclass: quantized or adapter layers compute otherwise) with float32 weights
-    on a CPU, whose `forward` nothing else has replaced (accelerate's offloading hooks do)."""
+    on a CPU, whose `forward` nothing else has replaced (accelerate's offloading hooks do). Weights made under
+    `torch.inference_mode` are left alone: they keep no version counter, so a change to them could not be seen."""
     weight = getattr(module, "weight", None)
     return (
         type(module) is nn.Linear
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
+        and not weight.is_inference()
         and "forward" not in module.__dict__
     )
 
@@ -83,6 +84,8 @@ def packed_by_default(model: nn.Module, memory: int | None = None) -> tuple[bool
     if not available:
         return False, why
     size, memory = linear_bytes(model), physical_memory() if memory is None else memory
+    if not size:
+        return False, "no linear layer of this model can be packed (see `packable`)"
     if memory is None or size > MEMORY_SHARE * memory:
         share = "unknown" if memory is None else f"{size / memory:.0%}"
         return False, f"a packed copy ({size / 2**20:,.0f} MiB) would take {share} of this machine's memory"
@@ -146,9 +149,14 @@ class PackedLinears:
 
     def _forward_of(self, module: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            rows = x.numel() // max(x.shape[-1], 1)
-            if rows < 2 or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
-                return F.linear(x, module.weight, module.bias)  # one row: MKL's is as fast; autograd: theirs
+            rows, weight = x.numel() // max(x.shape[-1], 1), module.weight
+            if (
+                rows < 2  # one row: torch's product is as fast
+                or weight.dtype != torch.float32  # the model was moved since (`packable`)
+                or weight.device.type != "cpu"
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # autograd: torch's
+            ):
+                return F.linear(x, weight, module.bias)
             return packed_product(x, self._weight(module), module.bias)
 
         return forward
@@ -157,10 +165,13 @@ class PackedLinears:
     def __call__(self):
         """Within the block, the model's packable linear layers multiply two rows or more with the packed weights
         (nothing else about the model changes; on leaving, every layer is as it was)."""
+        pointed = []
         for module, forward in self._forwards:
-            module.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ finds it first
+            if "forward" not in module.__dict__:  # a forward set on the layer since (a hook's) stays in charge
+                module.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ finds it first
+                pointed.append(module)
         try:
             yield
         finally:
-            for module, _ in self._forwards:
+            for module in pointed:
                 module.__dict__.pop("forward", None)
