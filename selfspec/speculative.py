@@ -90,8 +90,9 @@ class SelfSpeculative(DecodingLoop):
             one instance must not overlap (one cache). Greedy output stays token-identical to `model.generate` in
             float32 (tested), and in half precision up to ties (see the README). Default: False.
         packed_weights: keep a copy of the target's float32 linear weights in oneDNN's blocked layout and multiply
-            passes over several positions (verify passes, trees, the prompt) with it, where MKL's kernels read a
-            row-major weight slowly (`selfspec.adapter.packed`); one-position steps keep transformers' product. It
+            passes over several rows (verify passes, trees, the prompt, a batch's steps) with it, where MKL's kernels
+            read a row-major weight slowly (`selfspec.adapter.packed`); one-position steps of one prompt keep
+            transformers' product. It
             costs a second copy of those weights. Default: on for an eager float32 target on an x86 CPU whose copy
             takes at most a tenth of the machine's memory (`packed_by_default`), off otherwise.
 

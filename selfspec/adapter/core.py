@@ -94,8 +94,8 @@ class ModelAdapter:
     `whole_model=True` is for drafters that read no weights (n-gram lookup, suffix drafting): they need the full
     forward and a cache that can be cropped, so any causal LM whose cache layers are plain attention KV layers is
     taken, of a supported family or not; the layer ranges, hidden states and LM-head rows are then unavailable.
-    `packed_weights=True` keeps a packed copy of the float32 linear weights for passes over several positions
-    (`selfspec.adapter.packed`)."""
+    `packed_weights=True` keeps a packed copy of the float32 linear weights for passes over several rows (positions
+    times prompts; `selfspec.adapter.packed`)."""
 
     def __init__(self, model: nn.Module, whole_model: bool = False, packed_weights: bool = False):
         self.model = unwrap_model(model)

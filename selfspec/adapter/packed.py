@@ -6,8 +6,9 @@ the AMD EPYC (AVX2) this was measured on, SmolLM2-135M's linear layers and LM he
 two and 103 for four, when each pass reads the weights from memory. oneDNN, with each weight reordered once into its
 own blocked layout, took 60 ms for two rows and 69 for four (docs/benchmarks.md, "Packed weights for verify
 passes"). So the adapter keeps such a copy of the target's float32 linear weights and, around a full pass over two
-or more positions (`ModelAdapter._forward`), points each `nn.Linear` of the target at it; a one-position step
-keeps torch's own product, as `model.generate` runs it. The results differ from MKL's only in float32 rounding,
+or more rows (positions times prompts: `ModelAdapter._forward`), points each `nn.Linear` of the target at it; a
+one-position step of one prompt keeps torch's own product, as `model.generate` runs it (a batch's steps have a row
+per prompt and use the packed copy). The results differ from MKL's only in float32 rounding,
 as a pass over several positions already does from one-position steps.
 
 The price is memory: a second copy of those weights (one, however many wrappers drive the model). `packed_by_default`
