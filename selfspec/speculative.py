@@ -9,8 +9,7 @@ import os
 
 from torch import nn
 
-from .adapter import FINAL, ModelAdapter, unwrap_model
-from .adapter.packed import packed_by_default
+from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
 from .drafters.build import MODEL_FREE, build_drafters
 from .engine.adaptive import check_position_cost
@@ -92,9 +91,9 @@ class SelfSpeculative(DecodingLoop):
         packed_weights: keep a copy of the target's float32 linear weights in oneDNN's blocked layout and multiply
             passes over several rows (verify passes, trees, the prompt, a batch's steps) with it, where MKL's kernels
             read a row-major weight slowly (`selfspec.adapter.packed`); one-position steps of one prompt keep
-            transformers' product. It
-            costs a second copy of those weights. Default: on for an eager float32 target on an x86 CPU whose copy
-            takes at most a tenth of the machine's memory (`packed_by_default`), off otherwise.
+            transformers' product. It costs a second copy of those weights. Default (None): on for an eager float32
+            target on an x86 CPU whose copy takes at most a tenth of the machine's memory
+            (`selfspec.adapter.packed.packed_by_default`), off otherwise; `.packed_weights` says which.
 
     Attributes:
         drafters: every drafter in use, in order of preference: a tuple whose repr names each one, e.g.
@@ -132,12 +131,13 @@ class SelfSpeculative(DecodingLoop):
         # drafters by name that read no weights need only the whole model's forward: any causal LM with a KV cache
         names = drafter if isinstance(drafter, list | tuple) else [drafter]
         model_free = all(isinstance(name, str) and name in MODEL_FREE for name in names) and heads is None
-        self.packed_weights = self._packing(model, packed_weights)
+        packing = self._packing(packed_weights)
         self.adapter = (
             CompiledAdapter(model, options)
             if self.compiled
-            else ModelAdapter(model, whole_model=model_free, packed_weights=self.packed_weights)
+            else ModelAdapter(model, whole_model=model_free, packed_weights=packing)
         )
+        self.packed_weights = self.adapter.packed is not None
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         self.heads = heads
@@ -194,10 +194,10 @@ class SelfSpeculative(DecodingLoop):
         if self.compiled:
             self._check_compiled()
 
-    def _packing(self, model: nn.Module, packed_weights: bool | None) -> bool:
-        """Whether the eager passes multiply with packed weights: as asked, or `packed_by_default`."""
+    def _packing(self, packed_weights: bool | None) -> bool | None:
+        """`packed_weights` checked, for the eager adapter (None: it applies `packed_by_default`)."""
         if packed_weights is None:
-            return not self.compiled and packed_by_default(unwrap_model(model))[0]
+            return None
         if not isinstance(packed_weights, bool):
             raise TypeError(f"packed_weights={packed_weights!r}: pass True, False or None (the default's rule).")
         if packed_weights and self.compiled:

@@ -165,11 +165,18 @@ def test_the_default_rule(monkeypatch):
     assert not on and "torch.bfloat16" in why
 
 
-def test_selfspeculative_packs_by_the_rule_and_refuses_what_it_cannot_pack():
+def test_selfspeculative_packs_by_the_rule_and_refuses_what_it_cannot_pack(monkeypatch):
     model = tiny_model("llama", seed=1)
     spec = SelfSpeculative(model, exit_layer=2)
     assert spec.packed_weights == packed_by_default(model)[0]
     assert (spec.adapter.packed is not None) == spec.packed_weights
+    for machine in ("x86_64", "aarch64"):  # the rule on and off: the wrapper and a bare adapter follow it alike
+        monkeypatch.setattr(packed.platform, "machine", lambda machine=machine: machine)
+        on = packed_by_default(model)[0]
+        assert on == (machine == "x86_64" and packed.packing_available()[0])
+        assert SelfSpeculative(model, exit_layer=2).packed_weights is on
+        assert (ModelAdapter(model, packed_weights=None).packed is not None) is on
+    assert SelfSpeculative(model, drafter="ngram", compile=True).packed_weights is False
     assert SelfSpeculative(model, exit_layer=2, packed_weights=False).adapter.packed is None
     with pytest.raises(ValueError, match="no float32 nn.Linear"):
         SelfSpeculative(tiny_model("llama", seed=1).to(torch.bfloat16), exit_layer=2, packed_weights=True)

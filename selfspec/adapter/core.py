@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..families import MIXED_MASK_MODELS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, unsupported_message
 from .grouped import grouped_attention
-from .packed import PackedLinears
+from .packed import PackedLinears, packed_by_default
 from .vocab import DraftVocabulary
 
 FINAL = "final"  # among captured hidden states: the last one after the final norm (the LM head's input)
@@ -95,9 +95,9 @@ class ModelAdapter:
     forward and a cache that can be cropped, so any causal LM whose cache layers are plain attention KV layers is
     taken, of a supported family or not; the layer ranges, hidden states and LM-head rows are then unavailable.
     `packed_weights=True` keeps a packed copy of the float32 linear weights for passes over several rows (positions
-    times prompts; `selfspec.adapter.packed`)."""
+    times prompts; `selfspec.adapter.packed`); None applies `packed_by_default`, `SelfSpeculative`'s default rule."""
 
-    def __init__(self, model: nn.Module, whole_model: bool = False, packed_weights: bool = False):
+    def __init__(self, model: nn.Module, whole_model: bool = False, packed_weights: bool | None = False):
         self.model = unwrap_model(model)
         config = getattr(self.model, "config", None)
         if config is None:
@@ -145,6 +145,8 @@ class ModelAdapter:
         self._cache_keyword = cache_keyword(self.model.forward)
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)
+        if packed_weights is None:
+            packed_weights = packed_by_default(self.model)[0]
         self.packed = PackedLinears(self.model) if packed_weights else None
 
     # ----------------------------------------------------------------------------------------- facts

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..adapter import DraftVocabulary, ModelAdapter
-from ..adapter.packed import packed_by_default
 from ..heads import DraftHeads
 from ..heads.base import Costs
 from ..training.config import EvalConfig, TrainHeadsConfig
@@ -121,7 +120,7 @@ def profile_heads(
     answers), untrained and (if `trained`) these heads, measured c and the predicted speedup; with a draft LM
     head `vocab` (reduced or int8), also alpha, top-1 and c of the heads drafting through it (`draft_alpha`,
     `draft_top1`, `draft_c`): the alpha / c trade-off."""
-    adapter = ModelAdapter(model, packed_weights=packed_by_default(model)[0])  # as SelfSpeculative's default
+    adapter = ModelAdapter(model, packed_weights=None)  # SelfSpeculative's default rule
     sets = {"untrained": heads.untrained_copy(), "trained": heads} if trained else {"untrained": heads}
     if vocab is not None:
         sets["draft head"] = heads

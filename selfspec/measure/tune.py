@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ..adapter import ModelAdapter
-from ..adapter.packed import packed_by_default
 from ..engine.adaptive import PositionCost, position_cost_from
 from ..engine.stats import sum_stats
 from ..heads import DraftHeads
@@ -120,7 +119,7 @@ def tune(
     """Every candidate configuration with its predicted speedup, best first, and the position cost r: fitted
     per batch size in `batch_sizes` ({rows: r}, see `fit_position_costs`), or one number when that is (1,) (the
     adaptive controller uses it to shrink gamma as the batch grows)."""
-    adapter = ModelAdapter(model, packed_weights=packed_by_default(model)[0])  # as SelfSpeculative's default
+    adapter = ModelAdapter(model, packed_weights=None)  # SelfSpeculative's default rule
     settings = heads.draft_settings(adapter.num_layers, max_gamma)
     sizes = [s.max_gamma for s in settings] + [len(tree) for s in settings for tree in candidate_trees(s.tree_depth)]
     sizes += [shape["nodes"] for s in settings for shape in s.dynamic_trees]
