@@ -11,7 +11,10 @@ probes with one draft now and then so that it notices when acceptance recovers.
 A tree drafter has no gamma to choose: `TreeController` weighs its trees as a whole, the tokens a tree yields
 against its verify pass over all its candidates and its drafting, and falls back to plain steps in the same way.
 
-Decisions depend only on acceptances, never on wall-clock time, so a seeded run is reproducible. The same
+Within a call, decisions depend only on acceptances and on the verify costs v, never on the clock as it runs. v is
+timed once per model, device, dtype, weight layout, batch size and widest pass, and kept for later calls
+(`selfspec.engine.verify_cost`), so the first call on a model (often a warm-up) fixes the figures the later ones
+decide by; a given `position_cost` replaces the timing, and a seeded run is then reproducible. The same
 equation, with measured alphas and costs (`expected_tokens`, `best_gamma`), predicts what trained heads will gain
 (`selfspec.heads`, `selfspec tune`, `selfspec profile`).
 """
