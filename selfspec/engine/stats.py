@@ -28,7 +28,8 @@ class GenerationStats:
         default_factory=dict
     )  # drafter name -> iterations, proposed, accepted
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # the verify passes (plain steps too) and the prompt's pass
+    prefill_seconds: float = 0.0  # of which the prompt's pass
     total_seconds: float = 0.0
     # v(gamma) by gamma as the adaptive choice used it where it was measured on this machine (`engine.verify_cost`),
     # and the seconds this call spent measuring it (0 after the first call on the same model, dtype and batch size)
@@ -95,7 +96,8 @@ class GenerationStats:
     def finish(self, times: dict[str, float], alpha_sum: float, alpha_count: float, started: float):
         """Fill in the time split (sections timed by a `Stopwatch`), the analytic alpha and the total time."""
         self.draft_seconds = times.get("draft", 0.0)
-        self.verify_seconds = times.get("verify", 0.0) + times.get("prefill", 0.0)
+        self.prefill_seconds = times.get("prefill", 0.0)
+        self.verify_seconds = times.get("verify", 0.0) + self.prefill_seconds
         self.measure_seconds = times.get("measure", 0.0)
         self.alpha = alpha_sum / alpha_count if alpha_count else float("nan")
         self.total_seconds = time.perf_counter() - started
@@ -139,6 +141,11 @@ def sum_stats(runs: list[dict]) -> dict:
             elif isinstance(value, int | float) and key not in derived:
                 total[key] = total.get(key, 0) + value
     return total
+
+
+def decoding_seconds(total: dict) -> float:
+    """The seconds of (summed) stats spent decoding: all but the prompt's pass and the measuring of v."""
+    return total["total_seconds"] - total["prefill_seconds"] - total["measure_seconds"]
 
 
 class Stopwatch:

@@ -7,9 +7,11 @@ from the same session: the speedup two medians, the paired speedup each run with
 Greedy outputs are checked against `model.generate`'s (`selfspec.measure.ties`).
 
 For each selfspec contender the measured costs are put back into the speedup equation of docs/design.md:
-c = draft time per drafted token and v = time per full pass, both over the plain loop's time per token,
-and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to the
-speedup realised.
+c = draft time per drafted token and v = time per verify pass, both over the selfspec plain loop's time per
+decoding step, and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to
+the speedup realised over the plain loop while decoding. All three leave the prompt's pass out (it is no decoding
+step, and a run that decodes in fewer passes would otherwise carry more of it per pass) and sum the times over the
+runs before dividing, so the plain loop reads v = 1 and 1.00x against itself.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from ..drafters.suffix import SuffixDrafter
 from ..engine.adaptive import predicted_speedup
-from ..engine.stats import sum_stats
+from ..engine.stats import decoding_seconds, sum_stats
 from ..speculative import SelfSpeculative
 from .contenders import Contender
 from .prompts import OVERALL, ChatPrompt, categories_of
@@ -209,12 +211,12 @@ def summarize(contenders: list[Contender]) -> list[dict]:
     """Median tokens/s, speedups, acceptance, measured c and v, and the predicted speedup per contender."""
     baseline_of = {c.sampling: c for c in contenders if c.baseline}  # sampling contenders without their own: greedy
     compiled_generate = next((_rate(c) for c in contenders if c.compiled and c.spec is None), None)
-    steps = {}  # the plain loop's time per token, eager and compiled
-    for plain in (c for c in contenders if c.plain_loop and c.compiled not in steps):
-        steps[plain.compiled] = statistics.median(s / t for t, s in zip(plain.tokens, plain.seconds, strict=True))
+    units = {}  # the plain loop's decoding figures, eager and compiled: the unit of c and v, and its pace
+    for plain in (c for c in contenders if c.plain_loop and c.stats and c.compiled not in units):
+        units[plain.compiled] = decoding_unit(sum_stats(plain.stats))
     rows = []
     for contender in contenders:
-        rate, step = _rate(contender), steps.get(contender.compiled)
+        rate, unit = _rate(contender), units.get(contender.compiled)
         baseline = baseline_of.get(contender.sampling, baseline_of[False])
         row = {
             "contender": contender.name,
@@ -229,11 +231,12 @@ def summarize(contenders: list[Contender]) -> list[dict]:
             "run_prompts": list(contender.prompt_indices),  # each timed run: its prompt, new tokens and seconds
             "run_tokens": list(contender.tokens),
             "run_seconds": list(contender.seconds),
+            "run_stats": list(contender.stats),  # a selfspec contender's `GenerationStats` per run, else empty
         }
         if contender.spec is not None:
             row.update(added_memory(contender.spec))
         if contender.stats:
-            row.update(_acceptance(contender, step))
+            row.update(_acceptance(contender, unit))
         rows.append(row)
     return rows
 
@@ -265,8 +268,22 @@ def added_memory(spec: SelfSpeculative) -> dict:
     return {"heads_mb": added / 2**20, "heads_share": added / _bytes(spec.model.parameters())}
 
 
-def _acceptance(contender: Contender, step: float | None) -> dict:
-    """Acceptance and costs over all runs of one selfspec contender, and the equation's prediction."""
+def decoding_unit(total: dict) -> tuple[float, float] | None:
+    """From the plain loop's summed stats: (seconds per decoding step: its passes after the prompt's, tokens per
+    second while decoding), or None where it decoded nothing."""
+    if not total.get("iterations"):
+        return None
+    return (total["verify_seconds"] - total["prefill_seconds"]) / total["iterations"], _decoding_rate(total)
+
+
+def _decoding_rate(total: dict) -> float:
+    """Tokens per second of summed stats while decoding (`decoding_seconds`)."""
+    return total["new_tokens"] / decoding_seconds(total)
+
+
+def _acceptance(contender: Contender, unit: tuple[float, float] | None) -> dict:
+    """Acceptance and costs over all runs of one selfspec contender, and the equation's prediction; `unit`: the
+    plain loop's `decoding_unit`."""
     total = sum_stats(contender.stats)
     alphas = [s["alpha"] for s in contender.stats if s["alpha"] == s["alpha"]]  # NaN when nothing was drafted
     out = {
@@ -278,14 +295,14 @@ def _acceptance(contender: Contender, step: float | None) -> dict:
         "accepted_per_position": total.get("accepted_per_position", []),
         "proposed_per_position": total.get("proposed_per_position", []),
     }
-    if step and total["iterations"]:
-        passes = total["iterations"]
+    if unit is not None and total["iterations"]:
+        step, plain_rate = unit
         out["c"] = total["draft_seconds"] / total["proposed"] / step if total["proposed"] else None
-        out["v"] = total["verify_seconds"] / passes / step
+        out["v"] = (total["verify_seconds"] - total["prefill_seconds"]) / total["iterations"] / step
         if out["alpha"] is not None and not contender.tree:
             gamma = max(1, round(out["gamma"]))
             out["predicted_speedup"] = predicted_speedup(out["alpha"], gamma, out["c"], out["v"])
-        out["plain_loop_speedup"] = step * total["new_tokens"] / sum(contender.seconds)
+        out["plain_loop_speedup"] = _decoding_rate(total) / plain_rate
     return out
 
 
@@ -303,7 +320,7 @@ COLUMNS = [
     ("c", "c", "{:.3f}"),
     ("v", "v", "{:.2f}"),
     ("predicted_speedup", "predicted", "{:.2f}x"),
-    ("plain_loop_speedup", "realised vs plain loop", "{:.2f}x"),
+    ("plain_loop_speedup", "decoding vs plain loop", "{:.2f}x"),
     ("heads_mb", "heads MB", "{:.1f}"),
     ("heads_share", "heads / model", "{:.1%}"),
 ]

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..adapter import ModelAdapter
 from ..engine.adaptive import PositionCost, position_cost_from
-from ..engine.stats import sum_stats
+from ..engine.stats import decoding_seconds, sum_stats
 from ..heads import DraftHeads
 from ..speculative import SelfSpeculative
 from .contenders import DEFAULT_TREE, cut_tree
@@ -97,6 +97,13 @@ def run_prompts(spec: SelfSpeculative, prompts: list[torch.Tensor], max_new_toke
     return sum_stats(runs)
 
 
+def decoding_pass_seconds(stats: dict) -> float:
+    """Seconds per iteration of summed stats while decoding (`decoding_seconds`: the prompt's pass left out)."""
+    if not stats["iterations"]:
+        raise ValueError("every prompt ended at its first token: no decoding step to time (raise max_new_tokens).")
+    return decoding_seconds(stats) / stats["iterations"]
+
+
 def prefix_acceptance(stats: dict, gamma: int) -> list[float]:
     """P_i: the share of iterations whose first i drafts were all accepted, i = 1..gamma."""
     proposed = stats.get("proposed_per_position", [])
@@ -141,14 +148,14 @@ def tune(
         trees = candidate_trees(setting.tree_depth) + list(setting.dynamic_trees)
         if trees:
             plain = run_prompts(SelfSpeculative(model, num_draft_tokens=0), prompts, max_new_tokens, do_sample)
-            plain_pass = plain["total_seconds"] / plain["target_passes"]
+            plain_pass = decoding_pass_seconds(plain)
         for tree in trees:  # tokens per pass and the time per pass, measured in the loop with v as it is here
             # adaptive=False: every iteration verifies a tree, never a plain step instead
             spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab, adaptive=False)
             stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
             depth = tree["depth"] if isinstance(tree, dict) else max(len(path) for path in tree)
             tokens = stats["new_tokens"] / stats["row_passes"]
-            cost = stats["total_seconds"] / stats["target_passes"] / plain_pass
+            cost = decoding_pass_seconds(stats) / plain_pass
             nodes = tree["nodes"] if isinstance(tree, dict) else len(tree)
             choices.append(Choice(setting.name, setting.label, {}, nodes, tree, tokens, cost, c, cost - depth * c))
     if tuple(batch_sizes) == (1,):
