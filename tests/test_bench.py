@@ -115,6 +115,30 @@ def test_the_paired_speedup_divides_each_run_by_the_baseline_on_the_same_prompt(
         summarize([generate, timed("other", [10] * 3, [1, 1, 1], prompts=(2, 1, 0))])
 
 
+def _no_nan(constant):
+    raise AssertionError(f"bench.json holds {constant}, which strict JSON parsers reject")
+
+
+def test_decoding_figures_leave_the_prompts_pass_out():
+    from selfspec.engine.stats import decoding_tokens
+    from selfspec.measure.bench import decoding_unit
+    from selfspec.measure.tune import decoding_pass_seconds
+
+    # two one-prompt calls of a plain loop: 2 prompt passes, then 18 steps of 0.1 s with 0.02 s of bookkeeping each
+    plain = {"new_tokens": 20, "target_passes": 20, "iterations": 18, "verify_seconds": 2 + 1.8,
+             "prefill_seconds": 2.0, "measure_seconds": 0.5, "total_seconds": 2 + 1.8 + 0.36 + 0.5}  # fmt: skip
+    assert decoding_tokens(plain) == 18  # each call's first token is the prompt pass's
+    step, rate = decoding_unit(plain)
+    assert step == pytest.approx(0.1) and rate == pytest.approx(18 / 2.16)
+    assert decoding_pass_seconds(plain) == pytest.approx(0.12)
+    slow_prompts = dict(plain, verify_seconds=20 + 1.8, prefill_seconds=20.0, total_seconds=20 + 1.8 + 0.36 + 0.5)
+    assert decoding_unit(slow_prompts) == pytest.approx(decoding_unit(plain))  # the prompts' pass does not count
+    nothing = dict(plain, iterations=0, new_tokens=2, target_passes=2)
+    assert decoding_unit(nothing) is None
+    with pytest.raises(ValueError, match="no decoding step"):
+        decoding_pass_seconds(nothing)
+
+
 def test_prompt_files_are_checked(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(["a", {"prompt": "b"}, {"text": "c"}]))
     assert load_prompts(tmp_path / "p.json") == ["a", "b", "c"]
@@ -160,7 +184,7 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     assert (tmp_path / "demo" / "alpha_by_depth.png").stat().st_size > 0
 
     assert main(["bench", *common, "--repeats", "1", "--no_transformers", "--output", str(tmp_path / "b")]) == 0
-    result = json.loads((tmp_path / "b" / "bench.json").read_text())
+    result = json.loads((tmp_path / "b" / "bench.json").read_text(), parse_constant=_no_nan)  # strict JSON
     assert result["meta"]["prompts"] == 2 and result["meta"]["max_new_tokens"] == 10
     assert {row["contender"] for row in result["results"]} >= {"generate", "selfspec medusa tree"}
     assert (tmp_path / "b" / "bench.png").stat().st_size > 0 and (tmp_path / "b" / "bench.md").exists()

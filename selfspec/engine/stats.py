@@ -144,8 +144,15 @@ def sum_stats(runs: list[dict]) -> dict:
 
 
 def decoding_seconds(total: dict) -> float:
-    """The seconds of (summed) stats spent decoding: all but the prompt's pass and the measuring of v."""
+    """The seconds of (summed) stats spent decoding: all but the prompt's pass and the measuring of v. (On CUDA those
+    two are event times and the total a wall clock, so a launch-bound prompt's pass is partly counted as decoding.)"""
     return total["total_seconds"] - total["prefill_seconds"] - total["measure_seconds"]
+
+
+def decoding_tokens(total: dict) -> int:
+    """The tokens of (summed) stats of one-prompt calls that decoding made: all but the one each call's prompt's pass
+    yields (one pass per call that is no iteration)."""
+    return total["new_tokens"] - (total["target_passes"] - total["iterations"])
 
 
 class Stopwatch:

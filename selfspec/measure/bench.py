@@ -8,10 +8,12 @@ Greedy outputs are checked against `model.generate`'s (`selfspec.measure.ties`).
 
 For each selfspec contender the measured costs are put back into the speedup equation of docs/design.md:
 c = draft time per drafted token and v = time per verify pass, both over the selfspec plain loop's time per
-decoding step, and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to
-the speedup realised over the plain loop while decoding. All three leave the prompt's pass out (it is no decoding
-step, and a run that decodes in fewer passes would otherwise carry more of it per pass) and sum the times over the
-runs before dividing, so the plain loop reads v = 1 and 1.00x against itself.
+full-model pass while decoding (its passes alone, without the loop's own bookkeeping, which the equation leaves out
+too), and S = E(alpha, gamma) / (v + gamma c) with the measured analytic alpha and the mean gamma, next to the speedup
+realised over the plain loop while decoding (tokens after the first over the time after the prompt's pass, the
+bookkeeping included). All three leave the prompt's pass out (it is no decoding step, and a run that decodes in
+fewer passes would otherwise carry more of it per pass) and sum the times over the runs before dividing, so the
+plain loop reads v = 1 and 1.00x against itself.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from ..drafters.suffix import SuffixDrafter
 from ..engine.adaptive import predicted_speedup
-from ..engine.stats import decoding_seconds, sum_stats
+from ..engine.stats import decoding_seconds, decoding_tokens, sum_stats
 from ..speculative import SelfSpeculative
 from .contenders import Contender
 from .prompts import OVERALL, ChatPrompt, categories_of
@@ -231,7 +233,8 @@ def summarize(contenders: list[Contender]) -> list[dict]:
             "run_prompts": list(contender.prompt_indices),  # each timed run: its prompt, new tokens and seconds
             "run_tokens": list(contender.tokens),
             "run_seconds": list(contender.seconds),
-            "run_stats": list(contender.stats),  # a selfspec contender's `GenerationStats` per run, else empty
+            # a selfspec contender's `GenerationStats` per run, else empty; null where a figure is NaN (strict JSON)
+            "run_stats": [_without_nan(stats) for stats in contender.stats],
         }
         if contender.spec is not None:
             row.update(added_memory(contender.spec))
@@ -268,17 +271,22 @@ def added_memory(spec: SelfSpeculative) -> dict:
     return {"heads_mb": added / 2**20, "heads_share": added / _bytes(spec.model.parameters())}
 
 
+def _without_nan(stats: dict) -> dict:
+    return {key: None if isinstance(value, float) and value != value else value for key, value in stats.items()}
+
+
 def decoding_unit(total: dict) -> tuple[float, float] | None:
-    """From the plain loop's summed stats: (seconds per decoding step: its passes after the prompt's, tokens per
-    second while decoding), or None where it decoded nothing."""
+    """From the plain loop's summed stats: (seconds per full-model pass while decoding: its passes after the
+    prompt's, the loop's bookkeeping left out; tokens per second while decoding), or None where it decoded nothing."""
     if not total.get("iterations"):
         return None
     return (total["verify_seconds"] - total["prefill_seconds"]) / total["iterations"], _decoding_rate(total)
 
 
 def _decoding_rate(total: dict) -> float:
-    """Tokens per second of summed stats while decoding (`decoding_seconds`)."""
-    return total["new_tokens"] / decoding_seconds(total)
+    """Tokens per second of summed one-prompt stats while decoding: the tokens after each call's first over the time
+    after its prompt's pass (`decoding_tokens`, `decoding_seconds`)."""
+    return decoding_tokens(total) / decoding_seconds(total)
 
 
 def _acceptance(contender: Contender, unit: tuple[float, float] | None) -> dict:

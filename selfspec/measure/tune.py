@@ -30,7 +30,7 @@ from torch import nn
 
 from ..adapter import ModelAdapter
 from ..engine.adaptive import PositionCost, position_cost_from
-from ..engine.stats import decoding_seconds, sum_stats
+from ..engine.stats import decoding_seconds, decoding_tokens, sum_stats
 from ..heads import DraftHeads
 from ..speculative import SelfSpeculative
 from .contenders import DEFAULT_TREE, cut_tree
@@ -154,8 +154,8 @@ def tune(
             spec = SelfSpeculative(model, heads=heads, tree=tree, draft_vocab=draft_vocab, adaptive=False)
             stats = run_prompts(spec, prompts, max_new_tokens, do_sample)
             depth = tree["depth"] if isinstance(tree, dict) else max(len(path) for path in tree)
-            tokens = stats["new_tokens"] / stats["row_passes"]
-            cost = decoding_pass_seconds(stats) / plain_pass
+            cost = decoding_pass_seconds(stats) / plain_pass  # (raises where nothing was decoded)
+            tokens = decoding_tokens(stats) / stats["iterations"]  # as a chain's 1 + sum P_i: per decoding pass
             nodes = tree["nodes"] if isinstance(tree, dict) else len(tree)
             choices.append(Choice(setting.name, setting.label, {}, nodes, tree, tokens, cost, c, cost - depth * c))
     if tuple(batch_sizes) == (1,):
