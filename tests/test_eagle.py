@@ -342,6 +342,43 @@ def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
         load_heads(tmp_path / "eagle", ModelAdapter(other))
 
 
+def test_a_widened_head_drafts_as_its_start_until_trained(trained, tmp_path):
+    """heads.intermediate_size above heads.init_from's: the start's weights in the leading blocks, the new units'
+    outputs zero, so the wider head drafts exactly what the start does (and the trainer builds it that way)."""
+    model, heads, prompts = trained
+    width = heads.layer_config["intermediate_size"]
+    wide = eagle_heads(model, seed=1, unroll=2, intermediate_size=3 * width)
+    fresh_gate = wide.body.base.layers[0].mlp.gate_proj.weight[width:].clone()
+    wide.widened_from(heads)
+    mlp = wide.body.base.layers[0].mlp
+    assert mlp.down_proj.weight.shape[1] == 3 * width and not mlp.down_proj.weight[:, width:].any()
+    assert torch.equal(mlp.gate_proj.weight[width:], fresh_gate) and fresh_gate.abs().sum() > 0  # new inputs live
+    runs = []
+    for candidate in (heads, wide):
+        spec = SelfSpeculative(model, heads=candidate, num_draft_tokens=3)
+        runs.append((spec.generate(prompts[:2], max_new_tokens=16, do_sample=False), spec.stats.accepted))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] > 0  # the same drafts, accepted alike
+    with pytest.raises(HeadsMismatchError, match="can only grow its MLP"):
+        heads.widened_from(wide)
+    with pytest.raises(HeadsMismatchError, match="more than their MLP width"):
+        eagle_heads(model, unroll=2, intermediate_size=3 * width, layout="eagle3").widened_from(heads)
+
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    from train_heads import build_heads
+
+    from selfspec.training.config import TrainHeadsConfig
+
+    heads.save_pretrained(tmp_path / "start")
+    config = TrainHeadsConfig()
+    config.heads = HeadsConfig(kind="eagle", unroll=2, intermediate_size=2 * width, init_from=str(tmp_path / "start"))
+    built = build_heads(config, ModelAdapter(model))
+    assert built.layer_config["intermediate_size"] == 2 * width
+    assert torch.equal(built.body.base.layers[0].mlp.up_proj.weight[:width], heads.body.base.layers[0].mlp.up_proj.weight)
+
+
 def test_draft_lora_changes_the_drafts_not_the_output(trained, tmp_path):
     """A draft-only LoRA on the shared LM head (selfspec.heads.lora) works with an EAGLE head: drafts move, output does
     not, and it is saved and loaded with the head."""

@@ -127,8 +127,16 @@ class EagleHeads(DraftHeads):
     # ------------------------------------------------------------------------------------ training
     @classmethod
     def from_config(cls, config, adapter: ModelAdapter) -> EagleHeads:
+        layer_config = adapter.one_layer_config()
+        if config.intermediate_size is not None:  # a wider (or narrower) MLP than the target's layers have
+            if "intermediate_size" not in layer_config:
+                raise ValueError(
+                    f"heads.intermediate_size sets an EAGLE head's MLP width through its layer config's "
+                    f"intermediate_size, which a {layer_config.get('model_type')} config does not have: leave it null."
+                )
+            layer_config["intermediate_size"] = config.intermediate_size
         heads = cls(
-            adapter.fingerprint(), adapter.one_layer_config(), config.feature_layers, config.unroll, config.layout,
+            adapter.fingerprint(), layer_config, config.feature_layers, config.unroll, config.layout,
             config.num_draft_tokens,
         )  # fmt: skip
         if heads.layout == "eagle3":
@@ -136,6 +144,29 @@ class EagleHeads(DraftHeads):
                 for mine, theirs in zip(heads.body.norm.parameters(), adapter.final_norm.parameters(), strict=True):
                     mine.copy_(theirs)
         return heads
+
+    def widened_from(self, start: EagleHeads) -> None:
+        """Take the weights of `start`, a head like this one but for a narrower MLP, so that this one drafts exactly
+        as `start` does: each grown weight keeps `start`'s values in its leading block; the new MLP units' inputs
+        (rows of the gate and up projections) keep this head's fresh initialisation and their outputs (columns of
+        the down projection) start at zero, so they add nothing until training moves them."""
+        mine, theirs = self.state_dict(), start.state_dict()
+        narrow, wide = start.layer_config.get("intermediate_size"), self.layer_config.get("intermediate_size")
+        if narrow is None or wide is None or narrow > wide:
+            raise HeadsMismatchError(f"widened_from: a head can only grow its MLP (from {narrow} to {wide} units).")
+        fits = mine.keys() == theirs.keys() and all(
+            tensor.dim() == theirs[name].dim()
+            and all(a == b or (a, b) == (wide, narrow) for a, b in zip(tensor.shape, theirs[name].shape, strict=True))
+            for name, tensor in mine.items()
+        )
+        if not fits:
+            raise HeadsMismatchError("widened_from: the two EAGLE heads differ in more than their MLP width.")
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                old = theirs[name]
+                if tensor.dim() == 2 and tensor.shape[1] > old.shape[1]:  # new input columns: new units' outputs
+                    tensor[:, old.shape[1] :] = 0
+                tensor[tuple(slice(0, size) for size in old.shape)] = old
 
     def draft_names(self) -> list[str]:
         return [f"eagle_{j}" for j in range(self.unroll)]

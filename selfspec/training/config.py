@@ -202,7 +202,9 @@ class DataConfig:
 class HeadsConfig:
     kind: str = "exit"  # exit: one head per exit depth; medusa: heads on the last hidden state; eagle: EAGLE head
     exit_layers: list[int] | None = None  # exit depths (1..L-1); None: about L/6, L/4, L/3, L/2, 2L/3
-    intermediate_size: int | None = None  # exit head MLP width; None: 2 x hidden_size
+    # MLP width: exit heads' (None: 2 x hidden_size); an EAGLE head's layer's (None: the target's; wider than
+    # heads.init_from's: its weights, the new units silent at first, `EagleHeads.widened_from`)
+    intermediate_size: int | None = None
     num_heads: int = 4  # Medusa heads (head i predicts the token i+2 positions ahead)
     num_layers: int = 1  # residual blocks per Medusa head
     own_lm_head: bool = False  # Medusa heads with their own LM head (a copy of the target's) instead of the shared one
