@@ -376,7 +376,8 @@ def test_a_widened_head_drafts_as_its_start_until_trained(trained, tmp_path):
     config.heads = HeadsConfig(kind="eagle", unroll=2, intermediate_size=2 * width, init_from=str(tmp_path / "start"))
     built = build_heads(config, ModelAdapter(model))
     assert built.layer_config["intermediate_size"] == 2 * width
-    assert torch.equal(built.body.base.layers[0].mlp.up_proj.weight[:width], heads.body.base.layers[0].mlp.up_proj.weight)
+    up = built.body.base.layers[0].mlp.up_proj.weight
+    assert torch.equal(up[:width], heads.body.base.layers[0].mlp.up_proj.weight)
 
 
 def test_draft_lora_changes_the_drafts_not_the_output(trained, tmp_path):
