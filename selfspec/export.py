@@ -45,8 +45,8 @@ ARCHITECTURES = {
 }
 LAYOUTS = {"eagle": "eagle", "eagle3": "eagle3", "speculators": "eagle3"}  # format -> the head layout it holds
 AUX_ID_OFFSET = {"vllm": 1, "sglang": 0}  # engine aux id = our feature layer (a decoder layer's output) + offset
-COPIED_FIELDS = (  # Llama config fields the engines' draft layer reads, as the target has them
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+COPIED_FIELDS = (  # Llama config fields the engines' draft layer reads, as the target has them (the MLP's: the head's)
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "max_position_embeddings", "rope_parameters",
 )  # fmt: skip
 SIZES = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")  # what a head and its target share
@@ -105,7 +105,7 @@ def _feature_layers(heads: EagleHeads, format: str) -> list[int] | None:
     return layers
 
 
-def _config(adapter: ModelAdapter, format: str, engine: str | None, aux_ids, draft_size, gamma) -> dict:
+def _config(adapter: ModelAdapter, heads: EagleHeads, format: str, engine: str | None, aux_ids, draft_size) -> dict:
     target = adapter.config
     rope = dict(target.rope_parameters)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type") != "default" else None
@@ -113,6 +113,7 @@ def _config(adapter: ModelAdapter, format: str, engine: str | None, aux_ids, dra
         "architectures": [ARCHITECTURES[format, engine if format == "eagle" else None]],
         "model_type": "llama",
         **{field: getattr(target, field) for field in COPIED_FIELDS},
+        "intermediate_size": heads.layer_config["intermediate_size"],  # the head's MLP may be wider than the target's
         "rope_theta": rope["rope_theta"],  # the older spelling, for engines on transformers 4
         "rope_scaling": scaling,
         "vocab_size": adapter.vocab_size,
@@ -125,7 +126,7 @@ def _config(adapter: ModelAdapter, format: str, engine: str | None, aux_ids, dra
         "selfspec": {
             "format": format,
             "engine": engine,
-            "num_draft_tokens": gamma,
+            "num_draft_tokens": heads.num_draft_tokens,
             "target": adapter.fingerprint().to_dict(),
         },
     }
@@ -261,7 +262,7 @@ def export_eagle(
     aux_ids = None if layers is None or default else [k + AUX_ID_OFFSET[engine] for k in layers]
     tensors = _tensors(heads, adapter, format, draft_vocab)
     draft_size = len(tensors["lm_head.weight"]) if format == "eagle3" else None
-    config = _config(adapter, format, engine, aux_ids, draft_size, heads.num_draft_tokens)
+    config = _config(adapter, heads, format, engine, aux_ids, draft_size)
     card = _card(adapter, heads, format, engine, aux_ids, Path(path))
     if speculators:
         target, gamma = _verifier(verifier, adapter), heads.num_draft_tokens or DEFAULT_SPECULATIVE_TOKENS
@@ -342,7 +343,8 @@ def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
         offset = AUX_ID_OFFSET[engine] if aux_ids is not None else 0
         layers = [i - offset for i in aux_ids] if aux_ids is not None else default_feature_layers(adapter.num_layers)
     gamma = ours.get("num_draft_tokens")
-    heads = EagleHeads(adapter.fingerprint(), adapter.one_layer_config(), layers, layout=format, num_draft_tokens=gamma)
+    layer_config = {**adapter.one_layer_config(), "intermediate_size": config.get("intermediate_size")}
+    heads = EagleHeads(adapter.fingerprint(), layer_config, layers, layout=format, num_draft_tokens=gamma)
     slots = _slots(heads, format)
     required = set(slots) | ({"fc.weight", "lm_head.weight"} if format == "eagle3" else set())
     optional = {"fc.bias"} if format == "eagle" else {"d2t"}

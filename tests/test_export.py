@@ -30,11 +30,11 @@ def model():
     return tiny_model("llama", num_layers=LAYERS)
 
 
-def eagle_head(model, layout="eagle3", feature_layers=(1, 3, 4), seed=0) -> EagleHeads:
+def eagle_head(model, layout="eagle3", feature_layers=(1, 3, 4), seed=0, mlp=None) -> EagleHeads:
     """A head with random weights everywhere (norms away from ones), so that a swapped or dropped tensor shows."""
     torch.manual_seed(seed)
     layers = list(feature_layers) if feature_layers is not None else None
-    config = HeadsConfig(kind="eagle", layout=layout, feature_layers=layers, num_draft_tokens=3)
+    config = HeadsConfig(kind="eagle", layout=layout, feature_layers=layers, num_draft_tokens=3, intermediate_size=mlp)
     heads = EagleHeads.from_config(config, ModelAdapter(model))
     with torch.no_grad():
         for name, parameter in heads.named_parameters():
@@ -215,21 +215,23 @@ def test_speculators_refusals(model, tmp_path):
             load_export(out, model)
 
 
-ROUND_TRIPS = [
-    ("eagle", None, "vllm", None),
-    ("eagle3", (1, 3, 4), None, None),
-    ("eagle3", (1, 3, 4), None, "frequent"),
-    ("eagle3", (0, 2, 5), "sglang", [3, 9, 17, 33, 50, 64, 80]),
-    ("eagle3", (2,), "vllm", None),  # one feature layer: fc is the identity
-    ("speculators", (1, 3, 4), None, [3, 9, 17, 33, 50, 64, 80]),
-    ("speculators", (0, 2, 5), None, None),  # aux ids in vLLM's convention, which the format implies
+ROUND_TRIPS = [  # format, feature layers, engine, draft vocabulary, the head's MLP width (None: the target's)
+    ("eagle", None, "vllm", None, None),
+    ("eagle3", (1, 3, 4), None, None, None),
+    ("eagle3", (1, 3, 4), None, "frequent", None),
+    ("eagle3", (0, 2, 5), "sglang", [3, 9, 17, 33, 50, 64, 80], None),
+    ("eagle3", (2,), "vllm", None, None),  # one feature layer: fc is the identity
+    ("speculators", (1, 3, 4), None, [3, 9, 17, 33, 50, 64, 80], None),
+    ("speculators", (0, 2, 5), None, None, None),  # aux ids in vLLM's convention, which the format implies
+    ("speculators", (1, 3, 4), None, None, 3 * MLP),  # a head wider than the target's layers
+    ("eagle", None, "sglang", None, 2 * MLP),
 ]
 
 
-@pytest.mark.parametrize("format,layers,engine,vocab", ROUND_TRIPS)
-def test_a_reimported_head_drafts_identically(model, tmp_path, format, layers, engine, vocab):
+@pytest.mark.parametrize("format,layers,engine,vocab,mlp", ROUND_TRIPS)
+def test_a_reimported_head_drafts_identically(model, tmp_path, format, layers, engine, vocab, mlp):
     layout = LAYOUTS[format]
-    heads = eagle_head(model, layout, layers)
+    heads = eagle_head(model, layout, layers, mlp=mlp)
     prompt = random_prompt(6)
     if vocab == "frequent":
         vocab = frequent_tokens(model.generate(prompt, max_new_tokens=24, do_sample=False), 40)
@@ -237,6 +239,9 @@ def test_a_reimported_head_drafts_identically(model, tmp_path, format, layers, e
     export_eagle(heads, model, tmp_path / "out", format, engine, vocab, verifier)
     again, ids = load_export(tmp_path / "out", model)
     assert again.features == heads.features and again.num_draft_tokens == 3
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config = config.get("transformer_layer_config", config)  # the speculators format nests the layer's fields
+    assert config["intermediate_size"] == again.layer_config["intermediate_size"] == (mlp or MLP)
     assert (ids is None) == (vocab is None) and (
         vocab is None or ids.tolist() == sorted(set(torch.as_tensor(vocab).tolist()))
     )
