@@ -343,7 +343,8 @@ def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
         offset = AUX_ID_OFFSET[engine] if aux_ids is not None else 0
         layers = [i - offset for i in aux_ids] if aux_ids is not None else default_feature_layers(adapter.num_layers)
     gamma = ours.get("num_draft_tokens")
-    layer_config = {**adapter.one_layer_config(), "intermediate_size": config.get("intermediate_size")}
+    layer_config = adapter.one_layer_config()  # with the draft's own MLP width where its config gives one
+    layer_config["intermediate_size"] = config.get("intermediate_size") or layer_config["intermediate_size"]
     heads = EagleHeads(adapter.fingerprint(), layer_config, layers, layout=format, num_draft_tokens=gamma)
     slots = _slots(heads, format)
     required = set(slots) | ({"fc.weight", "lm_head.weight"} if format == "eagle3" else set())
