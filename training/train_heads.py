@@ -32,7 +32,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
-from selfspec.heads import KINDS, DraftHeads, EagleHeads, HeadsMismatchError, load_heads
+from selfspec.heads import KINDS, DraftHeads, HeadsMismatchError, load_heads
 from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.measure.profile import (
     configure_wandb,
@@ -100,12 +100,7 @@ def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
             raise ValueError(f"heads.init_from {config.heads.init_from} holds {start.kind} heads; the config trains "
                              f"{heads.kind} heads")  # fmt: skip
         try:
-            if isinstance(heads, EagleHeads) and start.layer_config.get("intermediate_size") != heads.layer_config.get(
-                "intermediate_size"
-            ):  # heads.intermediate_size grew the MLP: the start's weights, new units silent at first
-                heads.widened_from(start)
-            else:
-                heads.load_state_dict(start.state_dict())
+            heads.start_from(start)
         except (RuntimeError, HeadsMismatchError) as error:
             raise ValueError(
                 f"heads.init_from {config.heads.init_from} does not fit the heads this config builds (compare its "

@@ -116,6 +116,11 @@ class DraftHeads(nn.Module):
         describes them, for `adapter`'s target."""
         raise NotImplementedError(f"heads of kind {cls.kind!r} ({cls.__name__}) do not implement from_config")
 
+    def start_from(self, start: DraftHeads) -> None:
+        """Take the trained weights of `start`, heads of this kind (`heads.init_from`): the same shape, else
+        RuntimeError (or HeadsMismatchError, where a kind accepts some other shapes)."""
+        self.load_state_dict(start.state_dict())
+
     def draft_names(self) -> list[str]:
         """One name per draft, `<kind>_<depth>`, in order: evaluations, tables and `Costs` are keyed by them."""
         raise self._missing("draft_names")

@@ -145,6 +145,13 @@ class EagleHeads(DraftHeads):
                     mine.copy_(theirs)
         return heads
 
+    def start_from(self, start: EagleHeads) -> None:
+        """As every kind does, or from a head with a narrower MLP (`widened_from`: heads.intermediate_size grew)."""
+        if start.layer_config.get("intermediate_size") != self.layer_config.get("intermediate_size"):
+            self.widened_from(start)
+        else:
+            super().start_from(start)
+
     def widened_from(self, start: EagleHeads) -> None:
         """Take the weights of `start`, a head like this one but for a narrower MLP, so that this one drafts exactly
         as `start` does: each grown weight keeps `start`'s values in its leading block; the new MLP units' inputs
