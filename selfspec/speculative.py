@@ -56,6 +56,10 @@ class SelfSpeculative(DecodingLoop):
         draft_vocab: token ids the drafts may propose (e.g. `frequent_tokens(...)`): each draft token's LM-head
             product reads only their rows (copied once), which lowers c when the vocabulary is a large share
             of the model. Exactness is unchanged: q is zero outside, and verification uses the full vocabulary.
+        draft_vocab_context: with `draft_vocab`, each call's own tokens join it for that call (the prompt's at the
+            start, the answer's as they come): an answer copies names and rare words from its prompt that no
+            vocabulary of frequent tokens holds, for a few dozen extra rows. Default: True; False drafts from
+            `draft_vocab` alone, as engines with a fixed draft vocabulary (vLLM's d2t) do.
         draft_quant: "int8" drafts through an int8 copy of the LM head's rows (all, or `draft_vocab`'s),
             quantised per row and multiplied by torch's int8 weight-only kernel: a quarter of float32's bytes
             per draft token, slightly different q, the same exact output. Default: None (the model's dtype).
@@ -115,6 +119,7 @@ class SelfSpeculative(DecodingLoop):
         draft_cost: float | None = None,
         draft_vocab=None,
         draft_quant: str | None = None,
+        draft_vocab_context: bool = True,
         draft_confidence: float | None = None,
         position_cost: float | dict[int, float] | None = None,
         drafter: Drafter | list[Drafter] | str | None = None,
@@ -145,7 +150,9 @@ class SelfSpeculative(DecodingLoop):
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
         vocab = None
         if draft_vocab is not None or draft_quant is not None:
-            vocab = self.adapter.draft_vocabulary(draft_vocab, draft_quant)
+            if not isinstance(draft_vocab_context, bool):
+                raise TypeError(f"draft_vocab_context={draft_vocab_context!r}: pass True or False.")
+            vocab = self.adapter.draft_vocabulary(draft_vocab, draft_quant, context=draft_vocab_context)
         ngram = {
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
             "max_matching_ngram_size": max_matching_ngram_size,

@@ -380,12 +380,18 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
     assert flags[0, 5:-1].tolist() == [False, False, True, True, False, False]
     assert copied[3] == 2 and other[3] == 4  # the first draft is taught at every answer token here
     both = (copied[2] + other[2]) / 6
-    row = f"| x | 6 | 1.000 | 0.33 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} | {both:.3f} |"
+    row = f"| x | 6 | 1.000 | 1.000 | 0.33 | 0.33 | {copied[2] / 2:.3f} | {other[2] / 4:.3f} | {both:.3f} |"
     assert row in table and table[-1].startswith("| overall | 6 |")
-    vocab = adapter.draft_vocabulary([5, 6, 7, 8, 11])  # 5 of the 6 answer tokens: 12 is not among them
-    with torch.no_grad():
-        table = split_by_copying(model, adapter, heads, vocab, [{"prompt": prompt, "answer": answer, "category": "x"}])
-    assert table[-1].startswith("| overall | 6 | 0.833 | 0.33 | 0.33 |")
+    for ids, share in (([5, 6, 7, 8, 11], "0.833 | 0.833"), ([6, 7, 8, 11, 12], "0.833 | 1.000")):
+        # 12 is in neither the vocabulary nor the prompt; 5 is not in the vocabulary but joins it with the prompt
+        vocab = adapter.draft_vocabulary(ids)
+        with torch.no_grad():
+            record = {"prompt": prompt, "answer": answer, "category": "x"}
+            table = split_by_copying(model, adapter, heads, vocab, [record])
+        assert table[-1].startswith(f"| overall | 6 | {share} | 0.33 | 0.33 |")
+    from probe_copying import joined_share
+
+    assert joined_share({1}, [2], [3, 2, 3, 4, 1]) == 3  # 2 from the prompt, the second 3 after the first, 1
 
 
 def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():

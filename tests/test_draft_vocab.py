@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from test_batch import assert_rows_exact
+from test_eagle import eagle_heads
 from test_medusa import medusa_heads
 from tiny_models import random_prompt, tiny_model
 
 from selfspec import SelfSpeculative, frequent_tokens
-from selfspec.adapter import ModelAdapter
+from selfspec.adapter import CallVocabulary, ModelAdapter
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
@@ -120,3 +122,112 @@ def test_profile_reports_the_alpha_and_c_of_a_draft_head():
         assert row["draft_alpha"] != row["alpha"] and abs(row["draft_alpha"] - row["alpha"]) < 0.02, row
         assert row["draft_c"] > 0
     assert "alpha, draft head" in format_table(int8) and "c, draft head" in format_table(int8)
+
+
+# ------------------------------------------------------------------------------ a call's own tokens join it
+
+
+def recorded_drafts(spec) -> set[int]:
+    """The tokens `spec`'s drafter proposes from now on (its `draft` wrapped), filled in as it drafts."""
+    drafted, draft = set(), spec.drafter.draft
+
+    def recording(state, gamma, process, do_sample):
+        proposal = draft(state, gamma, process, do_sample)
+        drafted.update(proposal.tokens.flatten().tolist())
+        return proposal
+
+    spec.drafter.draft = recording
+    return drafted
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_a_calls_tokens_join_the_vocabulary_as_the_lm_heads_rows(quant):
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    hidden = torch.randn(3, model.config.hidden_size)
+    subset = adapter.draft_vocabulary([9, 4, 30], quant, context=True)
+    call = CallVocabulary(subset, adapter.lm_head)
+    call.begin(torch.tensor([[30, 7, 7, 2], [4, 2, 50, 9]]))
+    assert call.current.ids.tolist() == [4, 9, 30, 2, 7, 50]  # the subset sorted, then the prompts' new tokens
+    call.follow(torch.tensor([[30, 7, 7, 2, 11], [4, 2, 50, 9, 4]]))  # one more position: 11 joins
+    call.follow(torch.tensor([[30, 7, 7, 2, 11], [4, 2, 50, 9, 4]]))  # nothing new
+    joined = call.current
+    assert joined.ids.tolist() == [4, 9, 30, 2, 7, 50, 11] and subset.ids.tolist() == [4, 9, 30]
+    every = adapter.draft_vocabulary(None, quant)  # the whole head, as these rows are taken
+    logits, full = adapter.lm_logits(hidden, vocab=joined), adapter.lm_logits(hidden, vocab=every)
+    inside = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    inside[joined.ids] = True
+    tolerance = 2e-2 if quant else 1e-5  # a product over other rows may round differently; int8 runs in bfloat16
+    torch.testing.assert_close(logits[:, inside], full[:, inside], rtol=tolerance, atol=tolerance)
+    assert torch.isneginf(logits[:, ~inside]).all()
+    call.begin(torch.tensor([[4, 9]]))  # a new call starts from the subset again
+    assert call.current is subset
+    assert call.follow(torch.tensor([[4, 9, 7]])).ids.tolist() == [4, 9, 30, 7]  # joined again in this call
+    for vocabulary in (adapter.draft_vocabulary([9, 4, 30], quant), subset.compacted()):  # context off; training's
+        static = CallVocabulary(vocabulary, adapter.lm_head)
+        static.begin(torch.tensor([[7, 50]]))
+        assert static.current is vocabulary
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_drafts_come_from_the_vocabulary_and_the_calls_tokens_and_output_stays_exact(arch, quant):
+    model = tiny_model(arch)
+    subset = list(range(40, 60))  # not the tokens the untrained exit drafts most, or the tiny gemma2 repeats
+    prompt = random_prompt(12, seed=5)
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    static = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3, draft_vocab=subset, draft_quant=quant,
+                             draft_vocab_context=False)  # fmt: skip
+    joined = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3, draft_vocab=subset, draft_quant=quant)
+    drafted = {name: recorded_drafts(spec) for name, spec in (("static", static), ("joined", joined))}
+    for spec in (static, joined):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=40, do_sample=False), expected)
+    call = set(expected.flatten().tolist())
+    assert drafted["static"] <= set(subset)
+    assert drafted["joined"] <= set(subset) | call and drafted["joined"] - set(subset)  # the call's own tokens
+    assert joined.stats.accepted > static.stats.accepted
+
+
+def test_batched_rows_with_a_joined_vocabulary_are_exact():
+    model = tiny_model("llama")
+    spec = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3, draft_vocab=list(range(3, 23)))
+    assert_rows_exact(model, spec, [3, 9, 5, 1])  # each row's tokens join one vocabulary for the batch
+    assert spec.stats.proposed > 0
+
+
+@pytest.mark.parametrize("tree", [None, {"nodes": 6, "top_k": 2, "depth": 3}])
+def test_eagle_chains_and_trees_draft_from_the_joined_vocabulary(tree):
+    model = tiny_model("llama")
+    prompt = random_prompt(10, seed=7)
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    spec = SelfSpeculative(model, heads=eagle_heads(model), tree=tree, draft_vocab=list(range(3, 13)))
+    assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    assert spec.stats.proposed > 0
+
+
+def test_the_bench_runs_static_vocabulary_copies_of_contenders_that_join_it():
+    from selfspec.measure.contenders import generate_contender, selfspec_contender, static_vocab_contenders
+
+    model = tiny_model("llama")
+    subset = list(range(40, 60))
+    contenders = [
+        generate_contender(model, "generate", False, 1.0),
+        selfspec_contender(model, "exit", False, 1.0, exit_layer=2, num_draft_tokens=3, draft_vocab=subset),
+        selfspec_contender(
+            model, "exit, static", False, 1.0, exit_layer=2, draft_vocab=subset, draft_vocab_context=False
+        ),
+        selfspec_contender(model, "exit, whole head", False, 1.0, exit_layer=2),
+    ]
+    (static,) = static_vocab_contenders(contenders)
+    assert static.name == "exit (static vocab)"
+    assert static.options == {
+        "exit_layer": 2,
+        "num_draft_tokens": 3,
+        "draft_vocab": subset,
+        "draft_vocab_context": False,
+    }
+    prompt = random_prompt(12, seed=5)
+    assert torch.equal(static.run(prompt, 30), contenders[1].run(prompt, 30))
+    assert static.spec.stats.accepted < contenders[1].spec.stats.accepted  # the prompt's tokens help here
+    with pytest.raises(TypeError, match="draft_vocab_context='yes'"):
+        SelfSpeculative(model, exit_layer=2, draft_vocab=subset, draft_vocab_context="yes")

@@ -125,10 +125,19 @@ def test_medusa_chain_sampling_is_distributed_as_the_target(model):
 
 def test_reduced_draft_vocabulary_sampling_is_distributed_as_the_target(model):
     """q supported on 2 of the 4 tokens: the other two are reached only through the residual."""
-    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_vocab=[0, 2])
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_vocab=[0, 2], draft_vocab_context=False)
     law = exact_law(model, temperature=0.9)
     pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=0.9), law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
+def test_a_draft_vocabulary_joined_by_the_prompts_tokens_samples_as_the_target(model):
+    """The prompt holds every token, so they join the 1-token vocabulary after it, out of order: q over [2, 0, 1, 3]."""
+    spec = SelfSpeculative(model, exit_layer=1, num_draft_tokens=2, draft_vocab=[2])
+    law = exact_law(model, temperature=0.9)
+    pvalue = chi_square_pvalue(sampled_counts(spec, rows=ROWS, temperature=0.9), law)
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+    assert spec.drafter._vocab.current.ids.tolist() == [2, 0, 1, 3]
 
 
 def test_int8_draft_head_sampling_is_distributed_as_the_target(model):

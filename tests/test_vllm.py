@@ -176,7 +176,7 @@ def draft_room(n: int) -> int:
 def selfspec_run(model, heads, vocab, prompts: list[list[int]]) -> tuple[list, list[list[dict]], list[int], list[int]]:
     """selfspec's outputs, its drafting steps per prompt (recorded through the drafter: pending token, drafts and
     their draft scores), and its accepted and proposed drafts by position, summed over the prompts."""
-    spec = SelfSpeculative(model, heads=heads, draft_vocab=vocab, num_draft_tokens=DRAFTS)
+    spec = SelfSpeculative(model, heads=heads, draft_vocab=vocab, num_draft_tokens=DRAFTS, draft_vocab_context=False)
     steps, draft = [], spec.drafter.draft
 
     def recorded(state, gamma, process, do_sample):

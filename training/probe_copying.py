@@ -9,7 +9,8 @@
    token continues an earlier occurrence of the two tokens before it, in the prompt or the answer so far: a
    continuation n-gram lookup could draft) and the rest, and over all of them, per category, beside how often the
    latest such continuation is the token (what two-token lookup drafts, right) and how many of the tokens the
-   draft vocabulary holds (a draft outside it is never proposed).
+   draft vocabulary holds (a draft outside it is never proposed), alone and joined by the call's own tokens before
+   each one (the prompt's and the answer's so far, as `SelfSpeculative(draft_vocab_context=True)` drafts).
 3. **Sampling** (`--temperature T`, with recorded answers): on the same positions, what the first draft would be
    accepted with when the target samples at T: the head's best guess as a point mass (p_T of it), its three best
    guesses as siblings (the sum of p_T over them: the multi-candidate rule's acceptance, what a tree of the three
@@ -154,10 +155,20 @@ def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tens
     return torch.stack([(part.double() * weight).sum() for part in parts] + [weight.sum()])
 
 
+def joined_share(vocab: set[int], prompt: list[int], answer: list[int]) -> int:
+    """How many answer tokens the draft vocabulary holds once the prompt's tokens and the answer's before each
+    one have joined it."""
+    joined, count = vocab | set(prompt), 0
+    for token in answer:
+        count += token in joined
+        joined.add(token)
+    return count
+
+
 def split_by_copying(model, adapter, heads, vocab, records: list[dict], temperature: float | None = None) -> list[str]:
     """The copy split's table over the recorded answers; with `temperature`, then the sampling table
     (`sampling_sums`), from the same target pass per record."""
-    # category -> [copied, other, lookup right, in the draft vocabulary] x [agree, n]
+    # category -> [copied, other, lookup right, in the draft vocabulary (alone, joined)] x [agree, n]
     sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
     sampled = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))  # category -> sampling_sums
     in_vocab = None if vocab is None else set(vocab.ids.tolist())
@@ -170,23 +181,25 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict], temperat
         parts = top1_sums(heads, adapter, hidden_states, logits, [answer & flags, answer & ~flags], vocab)
         looked_up = (answer & torch.tensor([lookup_right(tokens)])).sum()
         draftable = sum(in_vocab is None or token in in_vocab for token in record["answer"])
+        joined = draftable if in_vocab is None else joined_share(in_vocab, record["prompt"], record["answer"])
         if temperature is not None:
             drawn = sampling_sums(heads, adapter, hidden_states, logits, vocab, answer, temperature)
         for category in (record.get("category") or "all", "overall"):
             for k, part in enumerate(parts):
                 sums[category][k] += part[0]
             sums[category][2, 0] += looked_up
-            sums[category][3, 0] += draftable
+            sums[category][3] += torch.tensor([draftable, joined], dtype=torch.float64)
             if temperature is not None:
                 sampled[category] += drawn
-    lines = ["| category | positions | in the draft vocabulary | copied share | lookup right | top-1, copied | "
-             "top-1, the rest | top-1, all |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| category | positions | in the draft vocabulary | with the call's tokens | copied share | "
+             "lookup right | top-1, copied | top-1, the rest | top-1, all |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for category in sorted(sums, key=lambda c: (c == "overall", c)):
-        (copied, n_copied), (other, n_other), (looked_up, _), (draftable, _) = sums[category].tolist()
+        (copied, n_copied), (other, n_other), (looked_up, _), (draftable, joined) = sums[category].tolist()
         n = max(1, n_copied + n_other)
-        lines.append(f"| {category} | {n_copied + n_other:.0f} | {draftable / n:.3f} | {n_copied / n:.2f} | "
-                     f"{looked_up / n:.2f} | {copied / max(1, n_copied):.3f} | {other / max(1, n_other):.3f} | "
-                     f"{(copied + other) / n:.3f} |")  # fmt: skip
+        lines.append(f"| {category} | {n_copied + n_other:.0f} | {draftable / n:.3f} | {joined / n:.3f} | "
+                     f"{n_copied / n:.2f} | {looked_up / n:.2f} | {copied / max(1, n_copied):.3f} | "
+                     f"{other / max(1, n_other):.3f} | {(copied + other) / n:.3f} |")  # fmt: skip
     if temperature is None:
         return lines
     lines += ["", f"draft 1 with the target sampling at T={temperature}, on the same answers' contexts:", "",

@@ -20,12 +20,13 @@ from .core import (
     unwrap_model,
 )
 from .one_layer import LAYOUTS, OneLayerModel
-from .vocab import DraftVocabulary, draft_head_size, frequent_tokens, read_token_ids
+from .vocab import CallVocabulary, DraftVocabulary, draft_head_size, frequent_tokens, read_token_ids
 
 __all__ = [
     "FINAL",
     "LAYOUTS",
     "SUPPORTED_ARCHITECTURES",
+    "CallVocabulary",
     "DraftVocabulary",
     "ModelAdapter",
     "ModelFingerprint",

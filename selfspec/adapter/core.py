@@ -429,7 +429,8 @@ class ModelAdapter:
             logits = logits * self.logit_scale
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
-    def draft_vocabulary(self, token_ids=None, quant: str | None = None) -> DraftVocabulary:
+    def draft_vocabulary(self, token_ids=None, quant: str | None = None, context: bool = False) -> DraftVocabulary:
         """The LM head as drafts read it (see `DraftVocabulary`): these token ids' rows (None: all), in the
-        model's dtype or, with quant="int8", quantised per row. `token_ids` may be a JSON file's path."""
-        return DraftVocabulary.from_lm_head(self.lm_head, self.hidden_size, token_ids, quant)
+        model's dtype or, with quant="int8", quantised per row; with `context`, each call's own tokens join them.
+        `token_ids` may be a JSON file's path."""
+        return DraftVocabulary.from_lm_head(self.lm_head, self.hidden_size, token_ids, quant, context)

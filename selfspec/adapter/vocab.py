@@ -1,6 +1,7 @@
-"""The LM head as drafts read it: `DraftVocabulary` (a subset of its rows and/or an int8 copy of them), where a
-draft vocabulary's token ids come from (a JSON file, `read_token_ids`; your data, `frequent_tokens`), and what one
-draft token reads of the head (`draft_head_size`, for the drafters' estimate of c)."""
+"""The LM head as drafts read it: `DraftVocabulary` (a subset of its rows and/or an int8 copy of them), the subset one
+`generate` call drafts from (`CallVocabulary`: the call's own tokens join it), where a draft vocabulary's token ids
+come from (a JSON file, `read_token_ids`; your data, `frequent_tokens`), and what one draft token reads of the head
+(`draft_head_size`, for the drafters' estimate of c)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,30 @@ class DraftVocabulary:
     handles exactly (q is zero there; the residual covers them). int8 (`scales` set): the rows quantised
     per row (symmetric, scale = max |w| / 127) and multiplied by torch's int8 weight-only kernel in
     bfloat16, a quarter of float32's bytes. Either way only q changes; the verify pass uses the model's
-    own LM head."""
+    own LM head.
 
-    ids: torch.Tensor  # [N] sorted token ids (all V of them for an int8 copy of the whole head)
+    With `context` on, each `generate` call drafts from the subset joined by the tokens of its own prompt and answer
+    (`CallVocabulary`): the names and rare words an answer copies from its prompt are outside any vocabulary of
+    frequent tokens, and their rows cost little (a few dozen per prompt)."""
+
+    ids: torch.Tensor  # [N] token ids, no repeats: sorted, then any a call joined (all V for an int8 whole head)
     weight: torch.Tensor  # [N, H], int8 when `scales` is set
     bias: torch.Tensor | None  # [N]
     vocab_size: int
     scales: torch.Tensor | None = None  # [N] bfloat16 row scales of an int8 `weight`
     compact: bool = False  # logits stay [..., N] (training's loss over the subset), not spread to [..., V]
+    context: bool = False  # a call's own tokens join the subset for that call (`CallVocabulary`)
 
     def compacted(self) -> DraftVocabulary:
         """The same rows, whose logits stay over the subset: [..., N], position k for token `ids[k]`."""
         return replace(self, compact=True)
 
     @classmethod
-    def from_lm_head(cls, lm_head: nn.Module, hidden_size: int, token_ids=None, quant: str | None = None):
+    def from_lm_head(
+        cls, lm_head: nn.Module, hidden_size: int, token_ids=None, quant: str | None = None, context: bool = False
+    ):
         """These token ids' rows of `lm_head` (None: all), in its dtype or, with quant="int8", quantised per row.
-        `token_ids` may be a JSON file's path."""
+        `token_ids` may be a JSON file's path; `context`: see the class docstring."""
         if isinstance(token_ids, str | os.PathLike):
             token_ids = read_token_ids(token_ids)
         if quant not in (None, "int8"):
@@ -62,11 +70,11 @@ class DraftVocabulary:
             weight = lm_head.weight.index_select(0, ids)
             bias = bias.index_select(0, ids) if bias is not None else None
         if quant is None:
-            return cls(ids, weight, bias, vocab_size)
+            return cls(ids, weight, bias, vocab_size, context=context)
         with torch.no_grad():
             scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
             weight = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        vocab = cls(ids, weight, bias, vocab_size, scales.to(torch.bfloat16))
+        vocab = cls(ids, weight, bias, vocab_size, scales.to(torch.bfloat16), context=context)
         try:  # the kernel's support depends on the device and the shapes: fail here, not mid-generation
             vocab.project(torch.zeros(1, hidden_size, device=device, dtype=dtype))
         except (RuntimeError, NotImplementedError) as error:
@@ -96,6 +104,67 @@ class DraftVocabulary:
             return partial
         full = partial.new_full((*partial.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, partial)
+
+
+@dataclass
+class JoinedVocabulary(DraftVocabulary):
+    """A draft vocabulary joined by one call's own tokens (`CallVocabulary`): `ids` are the subset's, then the joined
+    ones; `weight` (and `bias`, `scales`) hold the joined rows only, projected after the subset's own rows, which are
+    not copied again."""
+
+    subset: DraftVocabulary | None = None
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.subset.project(normed), super().project(normed)], dim=-1)
+
+
+class CallVocabulary:
+    """The draft vocabulary one `generate` call drafts from, as a drafter keeps it: `vocab` (None: the whole LM head)
+    and, where its `context` is on, the call's tokens it lacks, joined as the call goes (the prompt's at `begin`, the
+    answer's at each `follow`)."""
+
+    def __init__(self, vocab: DraftVocabulary | None, lm_head: nn.Module):
+        self.base, self.lm_head = vocab, lm_head
+        self.joins = vocab is not None and vocab.context and not vocab.compact and vocab.rows is not None
+        self.current, self._seen = vocab, 0
+        if self.joins:  # token id -> in `current`: a lookup per new token, not a search of the subset
+            self._member = torch.zeros(vocab.vocab_size, dtype=torch.bool, device=vocab.ids.device)
+            self._member[vocab.ids] = True
+
+    def begin(self, sequences: torch.Tensor) -> None:
+        """A new call: the base vocabulary joined by the prompts `sequences` [batch, T]."""
+        if isinstance(self.current, JoinedVocabulary):
+            self._member[self.current.ids[self.base.ids.numel() :]] = False
+        self.current, self._seen = self.base, 0
+        self.follow(sequences)
+
+    def follow(self, sequences: torch.Tensor) -> DraftVocabulary | None:
+        """The vocabulary to draft from now: joined by the tokens of `sequences` [batch, T] not seen before."""
+        if self.joins and sequences.shape[1] > self._seen:
+            self._join(sequences[:, self._seen :])
+        self._seen = sequences.shape[1]
+        return self.current
+
+    def _join(self, tokens: torch.Tensor) -> None:
+        current, tokens = self.current, tokens.flatten().to(self._member.device)
+        new = tokens[~self._member[tokens]]
+        if new.numel() == 0:
+            return
+        new = new.unique()
+        self._member[new] = True
+        quant = "int8" if self.base.scales is not None else None
+        rows = DraftVocabulary.from_lm_head(self.lm_head, self.base.weight.shape[1], new, quant)
+        if not isinstance(current, JoinedVocabulary):  # the first rows this call joins
+            self.current = JoinedVocabulary(**{**vars(rows), "ids": torch.cat([current.ids, rows.ids])}, subset=current)
+            return
+        cat = lambda old, more: None if old is None else torch.cat([old, more])  # noqa: E731
+        self.current = replace(
+            current,
+            ids=torch.cat([current.ids, rows.ids]),
+            weight=torch.cat([current.weight, rows.weight]),
+            bias=cat(current.bias, rows.bias),
+            scales=cat(current.scales, rows.scales),
+        )
 
 
 def read_token_ids(path: str | os.PathLike) -> list[int]:

@@ -29,6 +29,7 @@ from ..measure.contenders import (
     merged_contenders,
     selfspec_contender,
     standard_contenders,
+    static_vocab_contenders,
     unpacked_contenders,
 )
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
@@ -113,6 +114,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         contenders += fixed_tree_contenders(contenders)
     if args.unpacked:
         contenders += unpacked_contenders(contenders)
+    if args.static_vocab:
+        contenders += static_vocab_contenders(contenders)
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)

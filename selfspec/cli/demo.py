@@ -157,9 +157,10 @@ def demo_legend(vocab_size: int | None, ties: bool = False, memory: bool = False
         legend.append("tie (n): the same tokens up to a tie on n prompts (see the greedy check below).")
     if vocab_size:
         legend += [
-            f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens only (a draft vocabulary: the target's "
-            "most",
-            "frequent tokens in its data); verification uses the whole vocabulary, so the output stays exact.",
+            f"vocab {vocab_size}: the drafts choose among {vocab_size} tokens (a draft vocabulary: the target's most "
+            "frequent",
+            "tokens in its data) and those of the prompt and the answer so far; verification uses the whole",
+            "vocabulary, so the output stays exact.",
         ]
     if memory:
         legend += [

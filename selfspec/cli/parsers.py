@@ -151,6 +151,12 @@ def add_bench_parser(commands) -> None:
         "(the default for float32 targets on x86 CPUs) without them, named '... (unpacked)'",
     )
     bench.add_argument(
+        "--static_vocab",
+        action="store_true",
+        help="also run each selfspec contender with a draft vocabulary again without the call's own tokens joining "
+        "it (draft_vocab_context=False, as engines with a fixed draft vocabulary draft), named '... (static vocab)'",
+    )
+    bench.add_argument(
         "--suffix_memory",
         help="also run suffix drafting (alone, and before an EAGLE head where there is one) that remembers the "
         "assistant turns of this chat data set (.jsonl or .jsonl.gz rows with `messages`, e.g. the model's own "

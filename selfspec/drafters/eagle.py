@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..adapter import ModelAdapter, additive_mask, draft_head_size
+from ..adapter import CallVocabulary, ModelAdapter, additive_mask, draft_head_size
 from ..engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
 from ..engine.state import DecodeState
 from ..engine.tree import CandidateTree
@@ -75,6 +75,7 @@ class EagleDrafter(Drafter):
     ):
         super().__init__(confidence)
         self.adapter, self.heads, self.vocab = adapter, heads, vocab
+        self._vocab = CallVocabulary(vocab, adapter.lm_head)  # joined by each call's tokens (vocab.context)
         self.tree = tree  # a DynamicTree: draft trees instead of chains
         self.hidden_layers = heads.features
         self._cache = DynamicCache()
@@ -115,6 +116,7 @@ class EagleDrafter(Drafter):
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
         """The prompt's features wait in the backlog (each row's padding excluded); the head's cache is empty."""
+        self._vocab.begin(state.sequences)
         features = self._features(hidden)  # [batch, T, F]
         self._cache = DynamicCache()
         self._valid = torch.zeros(state.batch_size, 0, dtype=torch.bool, device=features.device)
@@ -153,7 +155,7 @@ class EagleDrafter(Drafter):
         return outputs
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
-        length = state.length
+        length, vocab = state.length, self._vocab.follow(state.sequences)
 
         def next_logits(i: int, token: torch.Tensor) -> torch.Tensor:
             if i == 0:
@@ -162,16 +164,16 @@ class EagleDrafter(Drafter):
                 valid = torch.ones(state.batch_size, 1, dtype=torch.bool, device=token.device)
                 self._outputs = self._run(state, self._outputs, token, length - 1 + i, valid)
                 self._fed_back += 1
-            return self.heads.logits(self._outputs[:, 0], self.adapter, self.vocab)
+            return self.heads.logits(self._outputs[:, 0], self.adapter, vocab)
 
         return draft_chain(state, gamma, process, do_sample, next_logits, self.confidence)
 
     def draft_tree(self, state: DecodeState):
         """A dynamic tree (see the module docstring) for one prompt: (the tree, node tokens [1, N], the draft
         logits [1, N+1, V] at the root and each node, zeros at nodes that were not expanded)."""
-        shape, length = self.tree, state.length
+        shape, length, vocab = self.tree, state.length, self._vocab.follow(state.sequences)
         root = self._run_backlog(state)
-        logits = {0: self.heads.logits(root[:, 0], self.adapter, self.vocab)[0]}  # node -> [V]
+        logits = {0: self.heads.logits(root[:, 0], self.adapter, vocab)[0]}  # node -> [V]
         outputs, tokens, parent, score, path = {0: root}, {}, {0: None}, {0: 0.0}, {0: ()}
         frontier = self._children(0, logits[0], tokens, parent, score, path)
         true_slots = self._valid[0].clone()  # the cache's slots so far; fed-back entries follow
@@ -191,7 +193,7 @@ class EagleDrafter(Drafter):
             speculative += expand
             self._fed_back += len(expand)  # dropped after the verify pass, with their slots' flags
             self._valid = torch.cat([self._valid, self._valid.new_zeros(1, len(expand))], dim=1)
-            node_logits = self.heads.logits(out[0], self.adapter, self.vocab)  # [k, V]
+            node_logits = self.heads.logits(out[0], self.adapter, vocab)  # [k, V]
             frontier = []
             for index, node in enumerate(expand):
                 outputs[node], logits[node] = out[:, index : index + 1], node_logits[index]

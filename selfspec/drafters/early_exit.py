@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..adapter import DraftVocabulary, ModelAdapter, draft_head_size
+from ..adapter import CallVocabulary, DraftVocabulary, ModelAdapter, draft_head_size
 from ..engine.drafter import Draft, Drafter, Processing, draft_chain
 from ..engine.state import DecodeState
 from ..heads import ExitHeads
@@ -43,6 +43,7 @@ class EarlyExitDrafter(Drafter):
         self.exit_layer = exit_layer
         self.head = head
         self.vocab = vocab
+        self._vocab = CallVocabulary(vocab, adapter.lm_head)  # joined by each call's tokens (vocab.context)
         self.lora = lora  # a draft-only LoRA on the shared LM head (`selfspec.heads.lora`)
         self._hidden: list[torch.Tensor] = []
 
@@ -73,7 +74,7 @@ class EarlyExitDrafter(Drafter):
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             hidden = self.head(hidden)
-        return self.adapter.head_logits(hidden, self.vocab, self.lora)
+        return self.adapter.head_logits(hidden, self._vocab.current, self.lora)
 
     def _lower(self, state: DecodeState, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Layers 0..k-1 over `tokens` [batch, n] at sequence indices start..start+n-1."""
@@ -82,9 +83,13 @@ class EarlyExitDrafter(Drafter):
             tokens, state.position_ids(start, count), state.cache, self.exit_layer, state.attention_mask(start + count)
         )
 
+    def begin(self, state: DecodeState, hidden: dict) -> None:
+        self._vocab.begin(state.sequences)
+
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         start = state.length - 1  # index of the pending token
         self._hidden = []
+        self._vocab.follow(state.sequences)
 
         def next_logits(i: int, token: torch.Tensor) -> torch.Tensor:
             hidden = self._lower(state, token, start + i)  # [batch, 1, H]

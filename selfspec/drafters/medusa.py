@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..adapter import FINAL, DraftVocabulary, ModelAdapter, draft_head_size
+from ..adapter import FINAL, CallVocabulary, DraftVocabulary, ModelAdapter, draft_head_size
 from ..engine.drafter import Draft, Drafter, Processing, Verified, draft_chain
 from ..engine.state import DecodeState
 from ..engine.tree import CandidateTree
@@ -36,6 +36,7 @@ class MedusaDrafter(Drafter):
         self.adapter = adapter
         self.heads = heads
         self.vocab = vocab
+        self._vocab = CallVocabulary(vocab, adapter.lm_head)  # joined by each call's tokens (vocab.context)
         self.max_drafts = self.default_drafts = heads.num_heads
         self.tree = tree.to(adapter.device) if tree is not None else None
         self._hidden: torch.Tensor | None = None  # [batch, H]
@@ -68,16 +69,19 @@ class MedusaDrafter(Drafter):
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
         self._hidden = hidden[FINAL][:, -1]  # [batch, H]: gave the first pending token
+        self._vocab.begin(state.sequences)
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
-        proposals = self.heads.logits(self._hidden, self.adapter, gamma, self.vocab)  # [batch, G, V]
+        vocab = self._vocab.follow(state.sequences)
+        proposals = self.heads.logits(self._hidden, self.adapter, gamma, vocab)  # [batch, G, V]
         return draft_chain(state, gamma, process, do_sample, lambda i, token: proposals[:, i], self.confidence)
 
     def draft_tree(self, state: DecodeState):
         """The tree, its candidate tokens [batch, N] (node (d, r): head d's r-th best), and the logits [batch,
         N+1, V] their children come from (a node at depth d: head d's; the deepest nodes: none)."""
         tree = self.tree
-        proposals = self.heads.logits(self._hidden, self.adapter, tree.max_depth, self.vocab)  # [batch, D, V]
+        vocab = self._vocab.follow(state.sequences)
+        proposals = self.heads.logits(self._hidden, self.adapter, tree.max_depth, vocab)  # [batch, D, V]
         padded = torch.cat([proposals, torch.zeros_like(proposals[:, :1])], dim=1)
         return tree, tree.node_tokens(proposals), padded[:, tree.depth]
 

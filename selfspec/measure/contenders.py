@@ -121,6 +121,16 @@ def unpacked_contenders(contenders: list[Contender]) -> list[Contender]:
     return variant_contenders(contenders, "unpacked", {"packed_weights": False}, lambda c: c.spec.packed_weights)
 
 
+def static_vocab_contenders(contenders: list[Contender]) -> list[Contender]:
+    """Each selfspec contender that drafts from a draft vocabulary again without the call's own tokens joining it,
+    named "... (static vocab)"."""
+
+    def where(c: Contender) -> bool:
+        return c.options.get("draft_vocab") is not None and c.options.get("draft_vocab_context", True)
+
+    return variant_contenders(contenders, "static vocab", {"draft_vocab_context": False}, where)
+
+
 def copied_drafters(options: dict) -> dict:
     """`options`' drafter objects (`drafter=`: one, or in a list) as copies, for a second wrapper."""
     drafter = options.get("drafter")
