@@ -193,6 +193,12 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     rows = {row["contender"]: row for row in json.loads((tmp_path / "f" / "bench.json").read_text())["results"]}
     assert {"selfspec medusa tree", "selfspec medusa tree (fixed)"} <= set(rows)
     assert rows["selfspec medusa tree (fixed)"]["matched"] is True  # a tree every iteration, still exact
+    fixed[1] = "tree (fixed)"  # a variant's name alone: the variant, not the contender it is built from
+    assert main(["bench", *common, "--repeats", "1", "--no_transformers", *fixed]) == 0
+    rows = [row["contender"] for row in json.loads((tmp_path / "f" / "bench.json").read_text())["results"]]
+    assert rows == ["generate", "selfspec medusa tree (fixed)"]
+    with pytest.raises(SystemExit, match="--only 'no such' names no contender of this run; they are: .*medusa tree"):
+        main(["bench", *common, "--no_transformers", "--only", "no such", "--output", str(tmp_path / "f")])
     only = ["--only", "untrained", "--untrained_exit_layer", "1", "--no_sampling", "--output", str(tmp_path / "c")]
     assert main(["bench", *common, "--repeats", "1", *only]) == 0
     result = json.loads((tmp_path / "c" / "bench.json").read_text())

@@ -108,14 +108,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     contenders += merged_field(args, model, heads, vocab, temperature)
     if args.suffix_memory:
         contenders += memory_field(args, model, tokenizer, heads, vocab, temperature)
-    if args.only:
-        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
+    if args.only:  # before the variants, which are built from what is kept: a part may name a variant too
+        contenders = only_kept(args, contenders, variant_labels(args))
     if args.fixed_trees:
         contenders += fixed_tree_contenders(contenders)
     if args.unpacked:
         contenders += unpacked_contenders(contenders)
     if args.static_vocab:
         contenders += static_vocab_contenders(contenders)
+    if args.only:
+        contenders = only_kept(args, contenders)
     rows = run_bench(contenders, inputs, args.max_new_tokens, repeats=args.repeats, seed=args.seed)
     by_category = summarize_by_category(contenders, prompts) if categories_of(prompts) else None  # Spec-Bench
     table = category_report(by_category, prompts) if by_category else markdown_table(rows)
@@ -156,9 +158,25 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def only_parts(args: argparse.Namespace) -> list[str]:
-    """The name parts of `--only`, comma-separated."""
-    return [part.strip() for part in args.only.split(",") if part.strip()]
+def only_kept(args: argparse.Namespace, contenders: list, labels: list[str] = ("",)) -> list:
+    """The baselines and the contenders `--only` names: a comma-separated part of it occurs in the name, or in the
+    name of one of its variants (`variant_labels`); SystemExit where it names none."""
+    parts = [part.strip() for part in args.only.split(",") if part.strip()]
+    kept = [c for c in contenders if c.baseline or any(p in c.name + label for p in parts for label in labels)]
+    if all(c.baseline for c in kept):
+        names = ", ".join(repr(c.name) for c in contenders if not c.baseline)
+        raise SystemExit(f"--only {args.only!r} names no contender of this run; they are: {names}")
+    return kept
+
+
+def variant_labels(args: argparse.Namespace) -> list[str]:
+    """The labels of the variants this run adds ("... (fixed)" and the like), with no label for the contender
+    itself, combined as the variants are built (a fixed tree without packed weights: "... (fixed) (unpacked)")."""
+    labels = [""]
+    for asked, label in ((args.fixed_trees, "fixed"), (args.unpacked, "unpacked"), (args.static_vocab, "static vocab")):
+        if asked:
+            labels += [f"{known} ({label})" for known in labels]
+    return labels
 
 
 def merged_field(args: argparse.Namespace, model, heads: dict, vocab, temperature=None) -> list:
@@ -208,7 +226,7 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     if args.suffix_memory:
         contenders += memory_field(args, model, tokenizer, heads, vocab)
     if args.only:
-        contenders = [c for c in contenders if c.baseline or any(part in c.name for part in only_parts(args))]
+        contenders = only_kept(args, contenders)
     warm_up(contenders, encode(tokenizer, warm, model.device), args.max_new_tokens)
     rows = run_bench(contenders, encode(tokenizer, prompts, model.device), args.max_new_tokens, repeats=args.repeats)
     by_category = summarize_by_category(contenders, prompts)

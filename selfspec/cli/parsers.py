@@ -127,7 +127,11 @@ def add_bench_parser(commands) -> None:
         help="also run compiled: model.generate with transformers' static cache and torch.compile, and selfspec's "
         "chains with compile=True (each compiles on its first calls, untimed)",
     )
-    bench.add_argument("--only", help="keep contenders whose name contains one of these (comma-separated)")
+    bench.add_argument(
+        "--only",
+        help="keep contenders whose name contains one of these (comma-separated), as the table prints it: "
+        "'(fixed)' keeps --fixed_trees' variants alone",
+    )
     bench.add_argument(
         "--chains",
         help="also run the EAGLE head's greedy chains at these fixed lengths, e.g. 1,2,3,4,5 (the adaptive "
