@@ -316,7 +316,8 @@ def _draft_config(path: Path) -> dict:
 
 def load_export(path, model) -> tuple[EagleHeads, torch.Tensor | None]:
     """(EAGLE head, draft vocabulary ids or None) from a folder `export_eagle` wrote for `model`: with
-    `SelfSpeculative(model, heads=heads, draft_vocab=ids)` it drafts as the exported head did. Raises
+    `SelfSpeculative(model, heads=heads, draft_vocab=ids, draft_vocab_context=False)` it drafts as the exported head
+    did (the default, True, joins each call's own tokens to the list, which the engines do not). Raises
     HeadsMismatchError for a folder that is not such an export, or whose tensors our head cannot hold."""
     path = Path(path)
     adapter = ModelAdapter(model)

@@ -148,10 +148,10 @@ class SelfSpeculative(DecodingLoop):
         self.heads = heads
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
+        if not isinstance(draft_vocab_context, bool):
+            raise TypeError(f"draft_vocab_context={draft_vocab_context!r}: pass True or False.")
         vocab = None
         if draft_vocab is not None or draft_quant is not None:
-            if not isinstance(draft_vocab_context, bool):
-                raise TypeError(f"draft_vocab_context={draft_vocab_context!r}: pass True or False.")
             vocab = self.adapter.draft_vocabulary(draft_vocab, draft_quant, context=draft_vocab_context)
         ngram = {
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens,

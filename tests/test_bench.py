@@ -223,6 +223,10 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
         main(["bench", *common, "--suffix_memory_tokens", "10"])
     with pytest.raises(SystemExit, match="not to --batch_sizes"):
         main(["bench", *common, "--suffix_memory", str(chat), "--batch_sizes", "1,2"])
+    with pytest.raises(SystemExit, match="--static_vocab adds variants .* not to --workload repeated"):
+        main(["bench", *common, "--static_vocab", "--workload", "repeated"])
+    with pytest.raises(SystemExit, match="--fixed_trees adds variants .* not to --batch_sizes"):
+        main(["bench", *common, "--fixed_trees", "--unpacked", "--batch_sizes", "1,2"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(tmp_path / "model")
     assert main(["bench", *common, "--repeats", "1", *memory]) == 0

@@ -170,6 +170,30 @@ def test_a_calls_tokens_join_the_vocabulary_as_the_lm_heads_rows(quant):
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
+def test_a_joined_vocabulary_over_every_token_keeps_each_tokens_logit(quant):
+    """Joined rows follow the subset's, so ids covering the whole vocabulary are still out of token order: each
+    logit must land on its own token, not pass through as if sorted."""
+    model = tiny_model("llama")
+    adapter, size = ModelAdapter(model), model.config.vocab_size
+    call = CallVocabulary(adapter.draft_vocabulary([size - 1, 3], quant, context=True), adapter.lm_head)
+    call.begin(torch.arange(size)[None, :])
+    assert call.current.ids.numel() == size and call.current.ids[:2].tolist() == [3, size - 1]
+    hidden = torch.randn(2, model.config.hidden_size)
+    joined, full = adapter.lm_logits(hidden, vocab=call.current), adapter.lm_logits(hidden, vocab=None)
+    tolerance = 2e-2 if quant else 1e-5
+    torch.testing.assert_close(joined, full, rtol=tolerance, atol=tolerance)
+
+
+def test_the_prompts_padding_does_not_join_the_vocabulary():
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    call = CallVocabulary(adapter.draft_vocabulary([9, 4], context=True), adapter.lm_head)
+    call.begin(torch.tensor([[0, 0, 7, 2], [5, 6, 7, 2]]), mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+    assert call.current.ids.tolist() == [4, 9, 2, 5, 6, 7]  # 0, the first row's padding, is not drafted
+    assert call.follow(torch.tensor([[0, 0, 7, 2, 0], [5, 6, 7, 2, 8]])).ids.tolist()[-2:] == [0, 8]  # answered: joins
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
 def test_drafts_come_from_the_vocabulary_and_the_calls_tokens_and_output_stays_exact(arch, quant):
     model = tiny_model(arch)

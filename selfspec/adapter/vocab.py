@@ -117,6 +117,12 @@ class JoinedVocabulary(DraftVocabulary):
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.subset.project(normed), super().project(normed)], dim=-1)
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The token ids, always: the joined ones follow the subset's, so even ids that cover the whole vocabulary
+        are not in token order."""
+        return self.ids
+
 
 class CallVocabulary:
     """The draft vocabulary one `generate` call drafts from, as a drafter keeps it: `vocab` (None: the whole LM head)
@@ -131,12 +137,14 @@ class CallVocabulary:
             self._member = torch.zeros(vocab.vocab_size, dtype=torch.bool, device=vocab.ids.device)
             self._member[vocab.ids] = True
 
-    def begin(self, sequences: torch.Tensor) -> None:
-        """A new call: the base vocabulary joined by the prompts `sequences` [batch, T]."""
+    def begin(self, sequences: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """A new call: the base vocabulary joined by the prompts `sequences` [batch, T], but for the positions
+        `mask` [batch, T] marks as padding (0)."""
         if isinstance(self.current, JoinedVocabulary):
             self._member[self.current.ids[self.base.ids.numel() :]] = False
-        self.current, self._seen = self.base, 0
-        self.follow(sequences)
+        self.current, self._seen = self.base, sequences.shape[1]
+        if self.joins:
+            self._join(sequences if mask is None else sequences[mask.bool()])
 
     def follow(self, sequences: torch.Tensor) -> DraftVocabulary | None:
         """The vocabulary to draft from now: joined by the tokens of `sequences` [batch, T] not seen before."""

@@ -65,6 +65,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise SystemExit("--suffix_memory_tokens limits --suffix_memory: pass the chat data set too")
     if args.suffix_memory and args.batch_sizes:
         raise SystemExit("--suffix_memory adds contenders to the Spec-Bench or repeated runs, not to --batch_sizes")
+    variants = [flag for flag in ("fixed_trees", "unpacked", "static_vocab") if getattr(args, flag)]
+    if variants and (args.batch_sizes or args.workload == "repeated"):
+        raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to "
+                         f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'}")  # fmt: skip
     if not args.batch_sizes:
         check_plotting()
     model, tokenizer, heads, prompts, vocab = load_target(args, with_prompts=args.workload == "prompts")

@@ -116,7 +116,7 @@ class EagleDrafter(Drafter):
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
         """The prompt's features wait in the backlog (each row's padding excluded); the head's cache is empty."""
-        self._vocab.begin(state.sequences)
+        self._vocab.begin(state.sequences, state.mask)
         features = self._features(hidden)  # [batch, T, F]
         self._cache = DynamicCache()
         self._valid = torch.zeros(state.batch_size, 0, dtype=torch.bool, device=features.device)

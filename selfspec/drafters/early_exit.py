@@ -84,7 +84,7 @@ class EarlyExitDrafter(Drafter):
         )
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
-        self._vocab.begin(state.sequences)
+        self._vocab.begin(state.sequences, state.mask)
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         start = state.length - 1  # index of the pending token

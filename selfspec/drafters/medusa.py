@@ -69,7 +69,7 @@ class MedusaDrafter(Drafter):
 
     def begin(self, state: DecodeState, hidden: dict) -> None:
         self._hidden = hidden[FINAL][:, -1]  # [batch, H]: gave the first pending token
-        self._vocab.begin(state.sequences)
+        self._vocab.begin(state.sequences, state.mask)
 
     def draft(self, state: DecodeState, gamma: int, process: Processing, do_sample: bool) -> Draft:
         vocab = self._vocab.follow(state.sequences)
