@@ -65,7 +65,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise SystemExit("--suffix_memory_tokens limits --suffix_memory: pass the chat data set too")
     if args.suffix_memory and args.batch_sizes:
         raise SystemExit("--suffix_memory adds contenders to the Spec-Bench or repeated runs, not to --batch_sizes")
-    variants = [flag for flag in ("fixed_trees", "unpacked", "static_vocab") if getattr(args, flag)]
+    variants = [flag for flag, _ in VARIANTS if getattr(args, flag)]
     if variants and (args.batch_sizes or args.workload == "repeated"):
         raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to "
                          f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'}")  # fmt: skip
@@ -173,12 +173,15 @@ def only_kept(args: argparse.Namespace, contenders: list, labels: list[str] = ("
     return kept
 
 
+VARIANTS = (("fixed_trees", "fixed"), ("unpacked", "unpacked"), ("static_vocab", "static vocab"))  # flag, label
+
+
 def variant_labels(args: argparse.Namespace) -> list[str]:
     """The labels of the variants this run adds ("... (fixed)" and the like), with no label for the contender
     itself, combined as the variants are built (a fixed tree without packed weights: "... (fixed) (unpacked)")."""
     labels = [""]
-    for asked, label in ((args.fixed_trees, "fixed"), (args.unpacked, "unpacked"), (args.static_vocab, "static vocab")):
-        if asked:
+    for flag, label in VARIANTS:
+        if getattr(args, flag):
             labels += [f"{known} ({label})" for known in labels]
     return labels
 
