@@ -362,3 +362,22 @@ def test_tune_measures_eagle_tree_budgets_and_writes_the_best_chain(model, tmp_p
         (tmp_path / "eagle" / "config.json").read_text()
     )
     assert SelfSpeculative(model, heads=loaded).drafter.tree is None  # the head's default stays a chain
+
+
+def test_only_keeps_a_whole_name_with_commas_or_each_comma_separated_part():
+    from types import SimpleNamespace
+
+    from selfspec.cli.commands import only_kept
+
+    def named(name: str, baseline: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(name=name, baseline=baseline)
+
+    memory = "merged ngram 6 + suffix 6, memory 2,986,068 tokens + eagle tree 3-3-1"
+    wide = memory.replace("3-3-1", "5-5-1")
+    contenders = [named("generate", True), named(memory), named(wide), named("eagle chain 3")]
+    kept = lambda only: [c.name for c in only_kept(SimpleNamespace(only=only), contenders)]  # noqa: E731
+    assert kept(memory) == ["generate", memory]  # one contender by its whole name, commas and all
+    assert kept("chain 3,5-5-1") == ["generate", wide, "eagle chain 3"]
+    assert kept(" memory 2,986,068 ") == ["generate", memory, wide]
+    with pytest.raises(SystemExit, match="names no contender"):
+        only_kept(SimpleNamespace(only="3-3-1, medusa"), contenders[:1] + contenders[3:])

@@ -418,15 +418,16 @@ def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
         cold = sampling_sums(heads, adapter, hidden_states, logits, None, mask, 1e-4)
         warm = sampling_sums(heads, adapter, hidden_states, logits, None, mask, 0.7)
     assert 0 < reference[2] < reference[3]  # the head agrees at some positions and not at others
-    torch.testing.assert_close(at_one[2], reference[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(at_one[3], reference[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cold[0], reference[2], rtol=1e-4, atol=1e-4)
-    assert at_one[3] == cold[3] == reference[3] > 0
-    assert warm[0] <= warm[1] <= warm[3] and 0 < warm[2] <= warm[3]
+    assert at_one[4] == cold[4] == reference[3] > 0
+    assert warm[0] < warm[1] < warm[2] <= warm[4] and 0 < warm[3] <= warm[4]  # more guesses, more of p_T
     record = {"prompt": tokens[0, :9].tolist(), "answer": tokens[0, 9:].tolist(), "category": "x"}
     with torch.no_grad():
         table = split_by_copying(model, adapter, heads, None, [record], 0.7)
-    n = float(warm[3])  # the answer's positions are the mask's: 8 .. 62
-    assert table[-1] == f"| overall | {n:.0f} | {warm[0] / n:.3f} | {warm[1] / n:.3f} | {warm[2] / n:.3f} |"
+    n = float(warm[4])  # the answer's positions are the mask's: 8 .. 62
+    row = f"| overall | {n:.0f} | {warm[0] / n:.3f} | {warm[1] / n:.3f} | {warm[2] / n:.3f} | {warm[3] / n:.3f} |"
+    assert table[-1] == row
 
 
 def test_the_copy_probe_reads_greedy_first_turns_of_a_chat_data_set(tmp_path):

@@ -13,8 +13,9 @@
    each one (the prompt's and the answer's so far, as `SelfSpeculative(draft_vocab_context=True)` drafts).
 3. **Sampling** (`--temperature T`, with recorded answers): on the same positions, what the first draft would be
    accepted with when the target samples at T: the head's best guess as a point mass (p_T of it), its three best
-   guesses as siblings (the sum of p_T over them: the multi-candidate rule's acceptance, what a tree of the three
-   best first guesses takes at its first level), and one draw from the head's q at T (sum of min(p_T, q_T)).
+   guesses as siblings, and its five (the sum of p_T over them: the multi-candidate rule's acceptance, what a tree of
+   the three or five best first guesses takes at its first level), and one draw from the head's q at T (sum of
+   min(p_T, q_T)).
    Contexts are the greedy answers', not sampled ones.
 
 `--data` reads the answers from a chat data set instead (`training/make_chat_data.py`'s packed rows): the first
@@ -143,15 +144,15 @@ def data_records(paths: list[str], tokenizer, per_kind: int, max_new_tokens: int
 
 def sampling_sums(heads, adapter, hidden_states, logits, vocab, mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """The first draft at the positions `mask` marks, the target sampling at `temperature`: sums of p_T(the head's
-    best guess), of p_T over its 3 best guesses, and of sum_x min(p_T(x), q_T(x)) (one draw from q_T), and the
-    count, [4] float64."""
+    best guess), of p_T over its 3 and its 5 best guesses, and of sum_x min(p_T(x), q_T(x)) (one draw from q_T),
+    and the count, [5] float64."""
     draft = heads.distillation_drafts(adapter, hidden_states, vocab, mask)[0]
     q_logits = draft.head(draft.hidden).float()  # [batch, positions, V], -inf off a draft vocabulary
     p = draft.teacher(torch.softmax(logits.float() / temperature, dim=-1))
     q = torch.softmax(q_logits / temperature, dim=-1)
-    best = q_logits.topk(3, dim=-1).indices
+    best = p.gather(-1, q_logits.topk(5, dim=-1).indices)  # p_T of the head's 5 best guesses, best first
     weight = draft.teacher(mask.double())
-    parts = [p.gather(-1, best[..., :1]).squeeze(-1), p.gather(-1, best).sum(-1), torch.minimum(p, q).sum(-1)]
+    parts = [best[..., 0], best[..., :3].sum(-1), best.sum(-1), torch.minimum(p, q).sum(-1)]
     return torch.stack([(part.double() * weight).sum() for part in parts] + [weight.sum()])
 
 
@@ -170,7 +171,7 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict], temperat
     (`sampling_sums`), from the same target pass per record."""
     # category -> [copied, other, lookup right, in the draft vocabulary (alone, joined)] x [agree, n]
     sums = defaultdict(lambda: torch.zeros(4, 2, dtype=torch.float64))
-    sampled = defaultdict(lambda: torch.zeros(4, dtype=torch.float64))  # category -> sampling_sums
+    sampled = defaultdict(lambda: torch.zeros(5, dtype=torch.float64))  # category -> sampling_sums
     in_vocab = None if vocab is None else set(vocab.ids.tolist())
     for record in records:
         tokens = record["prompt"] + record["answer"]
@@ -203,12 +204,12 @@ def split_by_copying(model, adapter, heads, vocab, records: list[dict], temperat
     if temperature is None:
         return lines
     lines += ["", f"draft 1 with the target sampling at T={temperature}, on the same answers' contexts:", "",
-              f"| category | positions | best guess at T={temperature} | 3 best guesses | one draw from q |",
-              "|---|---:|---:|---:|---:|"]  # fmt: skip
+              f"| category | positions | best guess at T={temperature} | 3 best guesses | 5 best guesses | "
+              "one draw from q |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for category in sorted(sampled, key=lambda c: (c == "overall", c)):
-        best, three, drawn, n = sampled[category].tolist()
+        best, three, five, drawn, n = sampled[category].tolist()
         n = max(1.0, n)
-        lines.append(f"| {category} | {n:.0f} | {best / n:.3f} | {three / n:.3f} | {drawn / n:.3f} |")
+        lines.append(f"| {category} | {n:.0f} | {best / n:.3f} | {three / n:.3f} | {five / n:.3f} | {drawn / n:.3f} |")
     return lines
 
 
