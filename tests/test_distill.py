@@ -396,7 +396,7 @@ def test_the_copy_probe_splits_answer_tokens_by_whether_a_copy_predicts_them():
 
 def test_the_sampling_probe_agrees_with_score_sums_at_its_limits():
     """training/probe_copying.py --temperature: one draw from q at T=1 is accepted with score_sums' alpha; as T goes
-    to 0, p_T of the head's best guess becomes its top-1 agreement; three guesses take at least as much as one; the
+    to 0, p_T of the head's best guess becomes its top-1 agreement; three guesses take more than one, five more; the
     sampling table follows the copy split's, from the same passes."""
     import sys
     from pathlib import Path

@@ -130,7 +130,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument(
         "--only",
         help="keep contenders whose name contains one of these (comma-separated), as the table prints it: "
-        "'(fixed)' keeps --fixed_trees' variants alone; a whole name, commas and all, keeps that contender",
+        "'(fixed)' keeps --fixed_trees' variants alone; text that occurs whole in a name, commas and all, is not split",
     )
     bench.add_argument(
         "--chains",
