@@ -166,10 +166,11 @@ def only_kept(args: argparse.Namespace, contenders: list, labels: list[str] = ("
     """The baselines and the contenders `--only` names: a comma-separated part of it occurs in the name, or in the
     name of one of its variants (`variant_labels`); SystemExit where it names none. A name holds commas itself
     ("suffix 6, memory 2,986,068 tokens"), so where the whole of `--only` occurs in one, it is one part."""
+    named = lambda part, c: any(part in c.name + label for label in labels)  # noqa: E731
     whole = args.only.strip()
-    names = [c.name + label for c in contenders if not c.baseline for label in labels]
-    parts = [whole] if any(whole in name for name in names) else [p.strip() for p in whole.split(",") if p.strip()]
-    kept = [c for c in contenders if c.baseline or any(p in c.name + label for p in parts for label in labels)]
+    one = any(named(whole, c) for c in contenders if not c.baseline)
+    parts = [whole] if one else [part.strip() for part in whole.split(",") if part.strip()]
+    kept = [c for c in contenders if c.baseline or any(named(part, c) for part in parts)]
     if all(c.baseline for c in kept):
         names = ", ".join(repr(c.name) for c in contenders if not c.baseline)
         raise SystemExit(f"--only {args.only!r} names no contender of this run; they are: {names}")
