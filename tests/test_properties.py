@@ -384,27 +384,36 @@ def tree_cases(draw):
 @settings(max_examples=80, **SETTINGS)
 @given(tree_cases())
 def test_tree_sampling_commits_the_target_law(case):
-    """Every joint draw of `tree_choices` (one token per node, weighted by its probability) is fed to
-    accept_tree: the committed path and token, continued by the target, have the target's joint law
-    over depth + 1 tokens (the first committed token is distributed exactly as p at the root)."""
+    """Every joint draw of the target's token at every node (weighted by its probability) is fed to accept_tree,
+    whose walk reads the draws at the nodes it reaches: the committed path and token, continued by the target,
+    have the target's joint law over depth + 1 tokens (the first committed token is distributed exactly as p
+    at the root)."""
     vocab, tree, node_tokens, prefixes, target = case
     p_nodes = torch.stack([target(prefix) for prefix in prefixes])  # [N+1, V]
     supports = [torch.nonzero(row).flatten().tolist() for row in p_nodes]
     choices = torch.tensor(list(itertools.product(*supports)))  # [R, N+1], every joint draw
     rows = choices.shape[0]
     weights = p_nodes.double().gather(1, choices.T).prod(dim=0)  # [R]
-    p = p_nodes.expand(rows, -1, -1)
-    with recorded(choices=choices) as recorder:
-        verdict = accept_tree(p, node_tokens.expand(rows, -1), tree, do_sample=True)
-    (handed,) = recorder.handed
-    torch.testing.assert_close(handed, p.reshape(-1, vocab), rtol=0, atol=0)  # one draw per node, from its p
-    assert_sampler_input(handed)
+    scores = p_nodes.log().expand(rows, -1, -1)  # processed scores whose softmax is p
+    reached = []
+
+    def joint_draw(handed, node, do_sample):
+        assert handed is scores and do_sample
+        reached.append(node.clone())
+        return choices.gather(1, node[:, None]).squeeze(1)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "target_token", joint_draw)
+        verdict = accept_tree(scores, node_tokens.expand(rows, -1), tree, do_sample=True)
+    reached = torch.stack(reached, dim=1)  # [R, steps]: each row's node at each step of the walk
     committed: dict[tuple[int, ...], float] = {}
     for row in range(rows):
         last = verdict.last_node[row].item()
         nodes = path_nodes(tree, last)
         assert verdict.num_accepted[row].item() == len(nodes) == tree.depth[last].item()
         assert tree.ancestors[last, : len(nodes)].tolist() == nodes
+        walk = reached[row].tolist()  # the root, the accepted nodes, then the last one while other rows walk on
+        assert walk[: len(nodes) + 1] == [0, *nodes] and set(walk[len(nodes) :]) == {last}
         key = tuple(node_tokens[0, n - 1].item() for n in nodes) + (verdict.next_token[row].item(),)
         committed[key] = committed.get(key, 0.0) + weights[row].item()
     length = tree.max_depth + 1
@@ -413,6 +422,25 @@ def test_tree_sampling_commits_the_target_law(case):
     # the first committed token alone: exactly p at the root
     first = law.reshape(vocab, -1).sum(dim=1)
     torch.testing.assert_close(first, p_nodes[0].double(), atol=ATOL, rtol=0)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(tree_cases())
+def test_the_tree_walk_draws_from_p_at_the_nodes_it_reaches(case):
+    """The sampler is handed p (the softmax of the processed scores) at the root, then at each accepted node, and
+    nowhere else: a walk that follows token 0 while a child holds it draws depth + 1 times."""
+    vocab, tree, node_tokens, prefixes, target = case
+    p_nodes = torch.stack([target(prefix) for prefix in prefixes])  # [N+1, V]
+    with recorded() as recorder:  # every draw returns token 0
+        verdict = accept_tree(p_nodes.log()[None], node_tokens, tree, do_sample=True)
+    walk, node = [0], 0
+    while zero := [v for v in range(1, tree.num_nodes + 1) if tree.parent[v] == node and node_tokens[0, v - 1] == 0]:
+        (node,) = zero
+        walk.append(node)
+    assert verdict.last_node.tolist() == [node] and verdict.next_token.tolist() == [0]
+    handed = torch.cat(recorder.handed)  # [draws, V]
+    assert_sampler_input(handed)
+    torch.testing.assert_close(handed, p_nodes[walk], atol=1e-6, rtol=0)
 
 
 @settings(max_examples=120, **SETTINGS)

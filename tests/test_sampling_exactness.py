@@ -169,12 +169,11 @@ def test_medusa_tree_sampling_is_distributed_as_the_target(model):
 def test_a_lossy_tree_rule_fails_the_same_test(model, monkeypatch):
     """A rule that favours likely candidates (as Medusa's typical acceptance does) is caught."""
 
-    def sharpened(p, do_sample):
-        return torch.multinomial((p**2 / (p**2).sum(-1, keepdim=True)).reshape(-1, p.shape[-1]), 1).reshape(
-            p.shape[:-1]
-        )
+    def sharpened(scores, node, do_sample):
+        p = scores[torch.arange(scores.shape[0]), node].softmax(dim=-1)  # [batch, V] at each row's node
+        return torch.multinomial(p**2 / (p**2).sum(-1, keepdim=True), 1).squeeze(-1)
 
-    monkeypatch.setattr(verify, "tree_choices", sharpened)
+    monkeypatch.setattr(verify, "target_token", sharpened)
     spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=2, scale=0.3), tree=TREE, adaptive=False)
     pvalue = chi_square_pvalue(sampled_counts(spec, temperature=0.8), exact_law(model, temperature=0.8))
     assert pvalue < 1e-6, f"the lossy rule went unnoticed (chi-square p = {pvalue:.2e})"

@@ -198,19 +198,18 @@ class DecodingLoop:
         with call.watch.section("verify"):
             logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
             scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
-            p = scores.softmax(dim=-1) if setup.do_sample else scores  # greedy reads argmaxes, as model.generate does
-            verdict = accept_tree(p, node_tokens, tree, setup.do_sample)
+            verdict = accept_tree(scores, node_tokens, tree, setup.do_sample)  # greedy: argmaxes, as generate
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
             root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
             path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)
             path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
-            along = path[..., None].expand(-1, -1, scores.shape[-1])
-            path_scores, path_logits = scores.gather(1, along), logits.gather(1, along)  # [batch, D+1, V]
+            rows = torch.arange(path.shape[0], device=path.device)[:, None]  # whole rows: faster than a gather on a CPU
+            path_scores, path_logits = scores[rows, path], logits[rows, path]  # [batch, D+1, V]
             if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
                 if node_logits is None:  # candidates proposed deterministically: point masses
                     q = Draft.point_mass(path_tokens).probabilities(scores.shape[-1])
                 else:
-                    drafts = node_logits.gather(1, along[:, :depth])
+                    drafts = node_logits[rows, path[:, :depth]]
                     q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
                 call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)

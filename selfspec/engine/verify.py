@@ -6,7 +6,8 @@ max(0, p_j - q_j) / sum(max(0, p_j - q_j)); if all G are accepted draw a bonus t
 Every committed token is then distributed exactly as p. Greedy keeps drafts while they equal argmax p_i
 and commits argmax p at the first mismatch (or after the last draft).
 
-Everything is vectorised over the batch and the draft positions; nothing here synchronises with the host.
+Everything is vectorised over the batch and the draft positions; nothing here synchronises with the host (but the
+tree walk on a CPU, where that costs nothing).
 """
 
 from __future__ import annotations
@@ -104,12 +105,15 @@ def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(dim=-1)
 
 
-def tree_choices(p: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The target's token at every tree node: a draw from p_v, or its argmax. p: [batch, N+1, V]."""
+def target_token(scores: torch.Tensor, node: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The target's token at node[b] of row b: a draw from softmax(scores[b, node[b]]), or its argmax.
+    scores: [batch, N+1, V] processed scores at every tree node; node: [batch] long -> [batch] long."""
+    rows = scores[torch.arange(scores.shape[0], device=scores.device), node]  # [batch, V]
     if not do_sample:
-        return p.argmax(dim=-1)
-    # a node whose token the target rules out at its parent is never reached, and processors may leave
-    # its prefix no allowed token (NaN after softmax): any valid row will do there
+        return rows.argmax(dim=-1)
+    p = rows.softmax(dim=-1)
+    # processors may leave no allowed token (NaN after softmax) at a node the target rules out, which a walk
+    # never reaches (a finished row's, whose tokens are dropped): any valid row will do there
     valid = valid_rows(p)
     if not bool(valid.all()):  # rare: only then is p copied
         p = torch.where(valid, p, torch.ones_like(p))
@@ -121,27 +125,36 @@ class TreeVerdict(Verdict):
     last_node: torch.Tensor  # [batch] long: the deepest accepted node (0: the root)
 
 
-def accept_tree(p: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
-    """Tree verification (`tree` a `CandidateTree`). p: [batch, N+1, V] target probabilities at every
-    node (greedy: the processed scores, whose argmax is all it reads); node_tokens: [batch, N] candidate
-    tokens of nodes 1..N.
+def accept_tree(scores: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
+    """Tree verification (`tree` a `CandidateTree`). scores: [batch, N+1, V] the target's processed scores at
+    every node; node_tokens: [batch, N] candidate tokens of nodes 1..N.
 
-    Walk from the root: the child whose token equals the target's token at its parent is accepted; the
-    walk ends at a node none of whose children match, and that node's target token comes next. For
-    sampling this is the multi-candidate rule of docs/design.md ("The math") with deterministic candidates
-    c_1..c_m: accepting c_1 with probability p(c_1), else c_2 with p(c_2) / (1 - p(c_1)), ..., else
-    drawing from p without the c's, commits c_j with probability p(c_j) and any other token t with p(t);
-    one draw from p matched against the children has exactly that law, so every committed token is
-    distributed as p. For greedy it keeps the path that agrees with argmax p, as chain greedy does.
+    Walk from the root: the target's token at the current node (`target_token`: a draw from p there, or its
+    argmax) is matched against the node's children; the matching child is accepted and the walk goes on from
+    it; at a node none of whose children match, that token comes next. For sampling this is the multi-candidate
+    rule of docs/design.md ("The math") with deterministic candidates c_1..c_m: accepting c_1 with probability
+    p(c_1), else c_2 with p(c_2) / (1 - p(c_1)), ..., else drawing from p without the c's, commits c_j with
+    probability p(c_j) and any other token t with p(t); one draw from p matched against the children has
+    exactly that law, so every committed token is distributed as p. For greedy it keeps the path that agrees
+    with argmax p, as chain greedy does.
+
+    Only the nodes the walk reaches are drawn from (one to three, where a tree has 10 to 20 nodes): on a CPU
+    the walk stops once every row's walk has ended, a host check that costs nothing there; on a GPU it runs
+    through every level without waiting for the host.
     """
-    choice = tree_choices(p, do_sample)  # [batch, N+1]: the target's token at each node
-    batch = choice.shape[0]
-    tokens = torch.cat([node_tokens.new_full((batch, 1), -1), node_tokens], dim=1)  # [batch, N+1], root: none
-    accepted = torch.zeros_like(tokens, dtype=torch.bool)
-    accepted[:, 0] = True
-    for nodes in tree.levels:  # parents are settled before their children
-        parents = tree.parent[nodes]
-        accepted[:, nodes] = accepted[:, parents] & (tokens[:, nodes] == choice[:, parents])
-    last_node = (accepted.long() * (tree.depth + 1)).argmax(dim=1)  # siblings differ: one node per depth at most
-    next_token = choice.gather(1, last_node[:, None]).squeeze(1)
-    return TreeVerdict(tree.depth[last_node], next_token, last_node)
+    batch = node_tokens.shape[0]
+    node = node_tokens.new_zeros(batch)  # each row's current node
+    walking = torch.ones(batch, dtype=torch.bool, device=node_tokens.device)
+    next_token = node_tokens.new_zeros(batch)
+    stop_early = node_tokens.device.type == "cpu"
+    for nodes in [*tree.levels, None]:  # the children at each depth, then the deepest level's own tokens
+        token = target_token(scores, node, do_sample)
+        next_token = torch.where(walking, token, next_token)  # kept once the row's walk ends here
+        if nodes is None:
+            break
+        match = (tree.parent[nodes] == node[:, None]) & (node_tokens[:, nodes - 1] == token[:, None])  # [batch, L]
+        walking = walking & match.any(dim=1)  # siblings differ: one match at most
+        node = torch.where(walking, nodes[match.long().argmax(dim=1)], node)
+        if stop_early and not bool(walking.any()):
+            break
+    return TreeVerdict(tree.depth[node], next_token, node)
