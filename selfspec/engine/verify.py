@@ -6,8 +6,8 @@ max(0, p_j - q_j) / sum(max(0, p_j - q_j)); if all G are accepted draw a bonus t
 Every committed token is then distributed exactly as p. Greedy keeps drafts while they equal argmax p_i
 and commits argmax p at the first mismatch (or after the last draft).
 
-Everything is vectorised over the batch and the draft positions; nothing here synchronises with the host (but the
-tree walk on a CPU, where that costs nothing).
+Everything is vectorised over the batch and the draft positions. Greedy verification never waits for the host;
+sampling waits only for the sampler's check of its rows, and the tree walk on a CPU to stop early.
 """
 
 from __future__ import annotations
@@ -111,13 +111,9 @@ def target_token(scores: torch.Tensor, node: torch.Tensor, do_sample: bool) -> t
     rows = scores[torch.arange(scores.shape[0], device=scores.device), node]  # [batch, V]
     if not do_sample:
         return rows.argmax(dim=-1)
-    p = rows.softmax(dim=-1)
-    # processors may leave no allowed token (NaN after softmax) at a node the target rules out, which a walk
-    # never reaches (a finished row's, whose tokens are dropped): any valid row will do there
-    valid = valid_rows(p)
-    if not bool(valid.all()):  # rare: only then is p copied
-        p = torch.where(valid, p, torch.ones_like(p))
-    return draw(p)
+    # only nodes a walk reaches, whose tokens the target allowed: a processor that leaves such a row no token
+    # (NaN after softmax) meets `draw`'s error, as it would in a chain or in `model.generate`
+    return draw(rows.softmax(dim=-1))
 
 
 @dataclass
@@ -139,8 +135,8 @@ def accept_tree(scores: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample
     with argmax p, as chain greedy does.
 
     Only the nodes the walk reaches are drawn from (one to three, where a tree has 10 to 20 nodes): on a CPU
-    the walk stops once every row's walk has ended, a host check that costs nothing there; on a GPU it runs
-    through every level without waiting for the host.
+    the walk stops once every row's walk has ended, a host check that costs nothing there; elsewhere it goes
+    through every level, and greedy never waits for the host.
     """
     batch = node_tokens.shape[0]
     node = node_tokens.new_zeros(batch)  # each row's current node
