@@ -394,18 +394,22 @@ def test_tree_sampling_commits_the_target_law(case):
     choices = torch.tensor(list(itertools.product(*supports)))  # [R, N+1], every joint draw
     rows = choices.shape[0]
     weights = p_nodes.double().gather(1, choices.T).prod(dim=0)  # [R]
-    scores = p_nodes.log().expand(rows, -1, -1)  # processed scores whose softmax is p
+    scores = p_nodes.log()  # processed scores whose softmax is p
     reached = []
 
-    def joint_draw(handed, node, do_sample):
-        assert handed is scores and do_sample
+    def scores_at(node):  # as `generation.TreeScores` is asked: each row's scores at its node
         reached.append(node.clone())
-        return choices.gather(1, node[:, None]).squeeze(1)
+        return scores[node]
+
+    def joint_draw(handed, do_sample):  # row r's draw at its node: choices[r, node]
+        assert do_sample and torch.equal(handed, scores[reached[-1]])
+        return choices.gather(1, reached[-1][:, None]).squeeze(1)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(verify, "target_token", joint_draw)
-        verdict = accept_tree(scores, node_tokens.expand(rows, -1), tree, do_sample=True)
+        verdict = accept_tree(scores_at, node_tokens.expand(rows, -1), tree, do_sample=True)
     reached = torch.stack(reached, dim=1)  # [R, steps]: each row's node at each step of the walk
+    assert torch.equal(verdict.scores, scores[reached])  # the walk hands back what it read
     committed: dict[tuple[int, ...], float] = {}
     for row in range(rows):
         last = verdict.last_node[row].item()

@@ -296,19 +296,25 @@ def test_tree_greedy_statistics_stay_finite_with_dead_nodes(model, specs):
     check_stats(spec)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="limitation (reported): tree verification calls prefix_allowed_tokens_fn on candidate paths that "
-    "plain decoding never visits; a function that returns [] there makes transformers raise",
-)
-def test_tree_greedy_with_prefix_allowed_tokens_fn(model, specs):
+def test_tree_decoding_processes_only_the_prefixes_it_reaches(model, specs, sampler):
+    """A `prefix_allowed_tokens_fn` that allows nothing after an odd token, which plain decoding never makes: the
+    tree's walk asks the processors at the nodes it reaches only, so greedy equals generate and sampling runs,
+    where processing every candidate path made transformers raise."""
+    asked = []
+
     def allowed(batch_id, ids):
+        asked.append(int(ids[-1]))
         return [] if int(ids[-1]) % 2 else list(range(0, VOCAB, 2))
 
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, prefix_allowed_tokens_fn=allowed)
-    expected = model.generate(even_prompt(), **kwargs)
-    assert torch.equal(specs["early_exit"].generate(even_prompt(), **kwargs), expected)  # chains are fine
-    assert torch.equal(specs["medusa_tree"].generate(even_prompt(), **kwargs), expected)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, prefix_allowed_tokens_fn=allowed)
+    expected = model.generate(even_prompt(), do_sample=False, **kwargs)
+    assert torch.equal(specs["early_exit"].generate(even_prompt(), do_sample=False, **kwargs), expected)
+    asked.clear()
+    assert torch.equal(specs["medusa_tree"].generate(even_prompt(), do_sample=False, **kwargs), expected)
+    assert asked and all(token % 2 == 0 for token in asked)
+    out = seeded(specs["medusa_tree"], even_prompt(), 0, do_sample=True, **kwargs)
+    assert all(token % 2 == 0 for token in out[0, 6:].tolist())
+    check_stats(specs["medusa_tree"])
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -169,8 +169,8 @@ def test_medusa_tree_sampling_is_distributed_as_the_target(model):
 def test_a_lossy_tree_rule_fails_the_same_test(model, monkeypatch):
     """A rule that favours likely candidates (as Medusa's typical acceptance does) is caught."""
 
-    def sharpened(scores, node, do_sample):
-        p = scores[torch.arange(scores.shape[0]), node].softmax(dim=-1)  # [batch, V] at each row's node
+    def sharpened(scores, do_sample):  # scores: [batch, V] at each row's node
+        p = scores.softmax(dim=-1)
         return torch.multinomial(p**2 / (p**2).sum(-1, keepdim=True), 1).squeeze(-1)
 
     monkeypatch.setattr(verify, "target_token", sharpened)

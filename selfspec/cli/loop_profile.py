@@ -54,6 +54,7 @@ WRAPPED = [
     (None, "target_pass", "verify forward"),
     (None, "process_scores", "processing"),
     (None, "process_tree_scores", "processing"),
+    ("TreeScores", "__call__", "processing"),
     ("Call", "process", "processing"),
     (None, "accept_greedy", "acceptance"),
     (None, "accept_sampling", "acceptance"),

@@ -226,21 +226,34 @@ def process_scores(
     return torch.stack(positions, dim=1)
 
 
-def process_tree_scores(
-    processors: LogitsProcessorList, prefix: torch.Tensor, node_tokens: torch.Tensor, logits: torch.Tensor, tree
-) -> torch.Tensor:
-    """Processed scores [batch, N+1, V] for the tree nodes, each with the tokens on its own path as input ids.
-    prefix: [batch, T]; node_tokens: [batch, N]; logits: [batch, N+1, V] (node 0 is the root)."""
-    logits = logits.float()
-    if len(processors) == 0:
-        return logits
-    if row_wise(processors):
-        return processors(node_tokens, logits.reshape(-1, logits.shape[-1])).reshape(logits.shape)
-    scores = []
-    for node, path in enumerate(tree.prefixes):
-        ids = torch.cat([prefix, node_tokens[:, [n - 1 for n in path]]], dim=1)
-        scores.append(processors(ids, logits[:, node].clone()))
-    return torch.stack(scores, dim=1)
+class TreeScores:
+    """The target's processed scores at the nodes of one prompt's candidate tree (trees verify one prompt at a
+    time), as a walk asks for them: called with node [1] long, it returns float32 [1, V], the scores at that
+    node processed with its own input ids (the prefix, then the candidate tokens on the node's path), as
+    `model.generate` would process them.
+
+    A node's scores are processed when asked, so the processors meet only the prefixes a walk reaches, as in
+    plain decoding (a `prefix_allowed_tokens_fn` that allows nothing after a candidate the target never takes is
+    never asked there), and a tree of 16 nodes pays for the two or three a walk reaches.
+
+    prefix: [1, T]; node_tokens: [1, N]; logits: [1, N+1, V] (node 0 is the root).
+    """
+
+    def __init__(self, processors: LogitsProcessorList, prefix: torch.Tensor, node_tokens, logits, tree):
+        self.processors, self.prefix, self.node_tokens, self.logits, self.tree = (
+            processors, prefix, node_tokens, logits, tree,
+        )  # fmt: skip
+        self.rows = torch.arange(logits.shape[0], device=logits.device)
+
+    def __call__(self, node: torch.Tensor) -> torch.Tensor:
+        raw = self.logits[self.rows, node].float()  # [1, V], a copy: processors may write into it
+        if len(self.processors) == 0:
+            return raw
+        if row_wise(self.processors):
+            return self.processors(self.node_tokens, raw)
+        (index,) = node.tolist()
+        path = self.node_tokens[:, [n - 1 for n in self.tree.prefixes[index]]]
+        return self.processors(torch.cat([self.prefix, path], dim=1), raw)
 
 
 def stopping_point(setup: GenerationSetup, prefix: torch.Tensor, new: torch.Tensor, scores: torch.Tensor) -> int | None:

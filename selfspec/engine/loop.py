@@ -21,11 +21,11 @@ from .call import Call
 from .drafter import Draft, Drafter, Drafters, Verified, check_draft, pick, target_pass
 from .generation import (
     GenerationSetup,
+    TreeScores,
     UnsupportedGenerationArgument,
     generate_output,
     prepare_generation,
     process_scores,
-    process_tree_scores,
 )
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
@@ -197,21 +197,24 @@ class DecodingLoop:
         depth = tree.max_depth
         with call.watch.section("verify"):
             logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
-            scores = process_tree_scores(setup.processors, state.sequences, node_tokens, logits, tree)
+            scores = TreeScores(setup.processors, state.sequences, node_tokens, logits, tree)  # processed when asked
             verdict = accept_tree(scores, node_tokens, tree, setup.do_sample)  # greedy: argmaxes, as generate
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
             root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
             path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)
             path_tokens = torch.cat([node_tokens[:, :1], node_tokens], dim=1).gather(1, path[:, 1:])  # [batch, D]
+            # the walk's processed scores: its steps cover every row's root and accepted nodes, all a commit reads
+            path_scores = verdict.scores  # [batch, S, V]
+            walked = min(path_scores.shape[1], depth)  # the draft positions the rule may have tested
             rows = torch.arange(path.shape[0], device=path.device)[:, None]  # whole rows: faster than a gather on a CPU
-            path_scores, path_logits = scores[rows, path], logits[rows, path]  # [batch, D+1, V]
+            path_logits = logits[rows, path]  # [batch, D+1, V]
             if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
                 if node_logits is None:  # candidates proposed deterministically: point masses
-                    q = Draft.point_mass(path_tokens).probabilities(scores.shape[-1])
+                    q = Draft.point_mass(path_tokens[:, :walked]).probabilities(logits.shape[-1])
                 else:
-                    drafts = node_logits[rows, path[:, :depth]]
-                    q = process_scores(setup.processors, state.sequences, path_tokens, drafts).softmax(dim=-1)
-                call.record_alpha(path_scores[:, :depth].softmax(dim=-1), q, verdict.num_accepted)
+                    drafts, tokens = node_logits[rows, path[:, :walked]], path_tokens[:, :walked]
+                    q = process_scores(setup.processors, state.sequences, tokens, drafts).softmax(dim=-1)
+                call.record_alpha(path_scores[:, :walked].softmax(dim=-1), q, verdict.num_accepted)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
         call.drafted_by = 0
         return self._advance(

@@ -105,25 +105,31 @@ def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(dim=-1)
 
 
-def target_token(scores: torch.Tensor, node: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The target's token at node[b] of row b: a draw from softmax(scores[b, node[b]]), or its argmax.
-    scores: [batch, N+1, V] processed scores at every tree node; node: [batch] long -> [batch] long."""
-    rows = scores[torch.arange(scores.shape[0], device=scores.device), node]  # [batch, V]
-    if not do_sample:
-        return rows.argmax(dim=-1)
-    # only nodes a walk reaches, whose tokens the target allowed: a processor that leaves such a row no token
-    # (NaN after softmax) meets `draw`'s error, as it would in a chain or in `model.generate`
-    return draw(rows.softmax(dim=-1))
+def target_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The target's token after each row of processed scores [batch, V]: a draw from their softmax, or their argmax.
+    A tree walk asks it only at nodes it reaches, whose tokens the target allowed: a processor that leaves such a
+    row no token (NaN after softmax) meets `draw`'s error, as it would in a chain or in `model.generate`."""
+    return draw(scores.softmax(dim=-1)) if do_sample else scores.argmax(dim=-1)
+
+
+def rows_at(scores: torch.Tensor):
+    """For scores [batch, N+1, V] at every node: the function of node [batch] that returns each row's [batch, V]."""
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    return lambda node: scores[rows, node]
 
 
 @dataclass
 class TreeVerdict(Verdict):
     last_node: torch.Tensor  # [batch] long: the deepest accepted node (0: the root)
+    scores: torch.Tensor  # [batch, S, V] each row's processed scores at step s of the walk: its node at depth s,
+    # up to its last node (after which a row's entries repeat it), S at least num_accepted + 1
 
 
-def accept_tree(scores: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
-    """Tree verification (`tree` a `CandidateTree`). scores: [batch, N+1, V] the target's processed scores at
-    every node; node_tokens: [batch, N] candidate tokens of nodes 1..N.
+def accept_tree(scores, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
+    """Tree verification (`tree` a `CandidateTree`). scores: the target's processed scores at the nodes, either
+    [batch, N+1, V] or a function of node [batch] long that returns each row's at its node, [batch, V] (a
+    `generation.TreeScores`, which processes only the rows asked for); node_tokens: [batch, N] candidate tokens
+    of nodes 1..N.
 
     Walk from the root: the target's token at the current node (`target_token`: a draw from p there, or its
     argmax) is matched against the node's children; the matching child is accepted and the walk goes on from
@@ -134,17 +140,21 @@ def accept_tree(scores: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample
     exactly that law, so every committed token is distributed as p. For greedy it keeps the path that agrees
     with argmax p, as chain greedy does.
 
-    Only the nodes the walk reaches are drawn from (one to three, where a tree has 10 to 20 nodes): on a CPU
-    the walk stops once every row's walk has ended, a host check that costs nothing there; elsewhere it goes
-    through every level, and greedy never waits for the host.
+    Only the nodes the walk reaches are read (one to three, where a tree has 10 to 20 nodes): on a CPU the walk
+    stops once every row's walk has ended, a host check that costs nothing there; elsewhere it goes through
+    every level, and greedy never waits for the host.
     """
     batch = node_tokens.shape[0]
+    if isinstance(scores, torch.Tensor):
+        scores = rows_at(scores)
     node = node_tokens.new_zeros(batch)  # each row's current node
     walking = torch.ones(batch, dtype=torch.bool, device=node_tokens.device)
     next_token = node_tokens.new_zeros(batch)
     stop_early = node_tokens.device.type == "cpu"
+    walked = []
     for nodes in [*tree.levels, None]:  # the children at each depth, then the deepest level's own tokens
-        token = target_token(scores, node, do_sample)
+        walked.append(scores(node))
+        token = target_token(walked[-1], do_sample)
         next_token = torch.where(walking, token, next_token)  # kept once the row's walk ends here
         if nodes is None:
             break
@@ -153,4 +163,4 @@ def accept_tree(scores: torch.Tensor, node_tokens: torch.Tensor, tree, do_sample
         node = torch.where(walking, nodes[match.long().argmax(dim=1)], node)
         if stop_early and not bool(walking.any()):
             break
-    return TreeVerdict(tree.depth[node], next_token, node)
+    return TreeVerdict(tree.depth[node], next_token, node, torch.stack(walked, dim=1))
