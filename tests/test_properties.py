@@ -428,6 +428,67 @@ def test_tree_sampling_commits_the_target_law(case):
     torch.testing.assert_close(first, p_nodes[0].double(), atol=ATOL, rtol=0)
 
 
+def stopped_law(committed: dict[tuple[int, ...], float], target, vocab: int, length: int, stop: int) -> dict:
+    """Law of the tokens up to the first `stop` token or `length` tokens, whichever comes first, when an iteration
+    commits `committed` (cut there too) and the target draws the rest."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], weight: float) -> None:
+        if len(prefix) == length or (prefix and prefix[-1] == stop):
+            law[prefix] = law.get(prefix, 0.0) + weight
+            return
+        for token, probability in enumerate(target(prefix).tolist()):
+            if probability > 0:
+                extend(prefix + (token,), weight * probability)
+
+    for sequence, weight in committed.items():
+        cut = sequence.index(stop) + 1 if stop in sequence else len(sequence)
+        extend(sequence[: min(cut, length)], weight)
+    return law
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(tree_cases(), st.data())
+def test_the_tree_walk_ends_where_generate_would(case, data):
+    """With an end-of-sequence token and a budget of max_drafts + 1 tokens: the walk asks for no node after an
+    accepted end of sequence or deeper than max_drafts, accepts at most max_drafts candidates, and what it commits,
+    cut at the end of sequence and at the budget as the commit cuts it, has the target's law."""
+    vocab, tree, node_tokens, prefixes, target = case
+    stop, max_drafts = data.draw(st.integers(0, vocab - 1)), data.draw(st.integers(0, tree.max_depth))
+    p_nodes = torch.stack([target(prefix) for prefix in prefixes])  # [N+1, V]
+    choices = torch.tensor(list(itertools.product(*[torch.nonzero(row).flatten().tolist() for row in p_nodes])))
+    rows = choices.shape[0]
+    weights = p_nodes.double().gather(1, choices.T).prod(dim=0)  # [R]
+    scores, reached = p_nodes.log(), []
+
+    def scores_at(node):
+        reached.append(node.clone())
+        return scores[node]
+
+    def joint_draw(handed, do_sample):
+        return choices.gather(1, reached[-1][:, None]).squeeze(1)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "target_token", joint_draw)
+        verdict = accept_tree(
+            scores_at, node_tokens.expand(rows, -1), tree, True, torch.tensor([stop]), max_drafts=max_drafts
+        )
+    asked = set(torch.stack(reached, dim=1).flatten().tolist())
+    for node in asked:  # no prefix past an end of sequence or past the budget
+        assert tree.depth[node] <= max_drafts
+        assert stop not in [node_tokens[0, n - 1].item() for n in path_nodes(tree, node)]
+    committed: dict[tuple[int, ...], float] = {}
+    for row in range(rows):
+        nodes = path_nodes(tree, verdict.last_node[row].item())
+        assert verdict.num_accepted[row].item() == len(nodes) <= max_drafts
+        key = tuple(node_tokens[0, n - 1].item() for n in nodes) + (verdict.next_token[row].item(),)
+        committed[key] = committed.get(key, 0.0) + weights[row].item()
+    ours = stopped_law(committed, target, vocab, max_drafts + 1, stop)
+    theirs = stopped_law({(): 1.0}, target, vocab, max_drafts + 1, stop)
+    for sequence in ours.keys() | theirs.keys():
+        assert abs(ours.get(sequence, 0.0) - theirs.get(sequence, 0.0)) < ATOL, sequence
+
+
 @settings(max_examples=60, **SETTINGS)
 @given(tree_cases())
 def test_the_tree_walk_draws_from_p_at_the_nodes_it_reaches(case):

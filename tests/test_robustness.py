@@ -17,7 +17,8 @@ import math
 
 import pytest
 import torch
-from test_medusa import medusa_heads
+from test_medusa import TREE as MEDUSA_TREE
+from test_medusa import FutureOracle, medusa_heads
 from tiny_models import padded_prompts, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
@@ -315,6 +316,32 @@ def test_tree_decoding_processes_only_the_prefixes_it_reaches(model, specs, samp
     out = seeded(specs["medusa_tree"], even_prompt(), 0, do_sample=True, **kwargs)
     assert all(token % 2 == 0 for token in out[0, 6:].tolist())
     check_stats(specs["medusa_tree"])
+
+
+def test_tree_decoding_asks_nothing_past_the_end_or_the_budget(model):
+    """The walk ends where `generate` does: with drafts that are always right (so trees are accepted deep), a
+    `prefix_allowed_tokens_fn` is never asked after the end-of-sequence token, nor for a prefix past the token
+    budget, and the output is `generate`'s."""
+    prompt = even_prompt()
+    reference = model.generate(prompt, do_sample=False, max_new_tokens=NEW_TOKENS)[0, prompt.shape[1] :].tolist()
+    at = next(i for i in range(4, NEW_TOKENS) if reference[i] not in reference[:i])  # a first occurrence
+    eos, lengths = reference[at], []
+
+    def allowed(batch_id, ids):
+        lengths.append(len(ids))
+        assert int(ids[-1]) != eos or len(ids) == prompt.shape[1], "asked after the end of sequence"
+        return list(range(VOCAB))
+
+    for budget in (3, NEW_TOKENS):  # the budget ends the output, then the end of sequence does
+        kwargs = dict(max_new_tokens=budget, prefix_allowed_tokens_fn=allowed, eos_token_id=eos, do_sample=False)
+        expected = model.generate(prompt, **kwargs)
+        oracle = FutureOracle(reference, VOCAB, perfect=True)
+        spec = SelfSpeculative(model, heads=medusa_heads(model, num_heads=4), tree=MEDUSA_TREE, adaptive=False)
+        spec.heads.logits = oracle.logits
+        lengths.clear()
+        assert torch.equal(spec.generate(prompt, streamer=oracle, **kwargs), expected)
+        assert spec.stats.accepted > 0
+        assert max(lengths) <= prompt.shape[1] + min(budget, at + 1) - 1  # the last token is drawn after that one
 
 
 # ------------------------------------------------------------------------------------------- errors

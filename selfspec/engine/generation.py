@@ -233,10 +233,9 @@ class TreeScores:
     `model.generate` would process them.
 
     A node's scores are processed when asked, so the processors meet only the prefixes a walk reaches: the
-    candidates the target takes, as in plain decoding (a `prefix_allowed_tokens_fn` that allows nothing after a
-    candidate the target never takes is never asked there), though a walk may go on past an end-of-sequence
-    token or the token budget, where `generate` stops. On a CPU a tree of 16 nodes pays for the two or three a
-    walk reaches (elsewhere the walk reads its last node again at each level left).
+    candidates the target takes, up to an end of sequence and within the token budget, as in plain decoding (a
+    `prefix_allowed_tokens_fn` that allows nothing after a candidate the target never takes, or after the end of
+    sequence, is never asked there); and a tree of 16 nodes pays for the two or three a walk reaches.
 
     prefix: [1, T]; node_tokens: [1, N]; logits: [1, N+1, V] (node 0 is the root).
     """

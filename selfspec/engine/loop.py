@@ -198,7 +198,9 @@ class DecodingLoop:
         with call.watch.section("verify"):
             logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
             scores = TreeScores(setup.processors, state.sequences, node_tokens, logits, tree)  # processed when asked
-            verdict = accept_tree(scores, node_tokens, tree, setup.do_sample)  # greedy: argmaxes, as generate
+            # greedy: argmaxes, as generate; the walk ends where generate would (end of sequence, the budget)
+            stop = torch.tensor(sorted(setup.eos_token_ids), dtype=torch.long, device=node_tokens.device)
+            verdict = accept_tree(scores, node_tokens, tree, setup.do_sample, stop, call.remaining - 1)
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
             root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
             path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)

@@ -6,8 +6,9 @@ max(0, p_j - q_j) / sum(max(0, p_j - q_j)); if all G are accepted draw a bonus t
 Every committed token is then distributed exactly as p. Greedy keeps drafts while they equal argmax p_i
 and commits argmax p at the first mismatch (or after the last draft).
 
-Everything is vectorised over the batch and the draft positions. Greedy verification never waits for the host;
-sampling waits only for the sampler's check of its rows, and the tree walk on a CPU to stop early.
+Everything is vectorised over the batch and the draft positions. A chain's greedy verification never waits for
+the host; sampling waits only for the sampler's check of its rows, and the tree walk asks after each level whether a
+row walks on.
 """
 
 from __future__ import annotations
@@ -122,10 +123,18 @@ def rows_at(scores: torch.Tensor):
 class TreeVerdict(Verdict):
     last_node: torch.Tensor  # [batch] long: the deepest accepted node (0: the root)
     scores: torch.Tensor  # [batch, S, V] each row's processed scores at step s of the walk: its node at depth s,
-    # up to its last node (after which a row's entries repeat it), S at least num_accepted + 1
+    # up to the last one read (which a row's later entries repeat); S covers every row's tokens up to the next
+    # token, or up to an accepted end of sequence
 
 
-def accept_tree(scores, node_tokens: torch.Tensor, tree, do_sample: bool) -> TreeVerdict:
+def accept_tree(
+    scores,
+    node_tokens: torch.Tensor,
+    tree,
+    do_sample: bool,
+    stop_tokens: torch.Tensor | None = None,
+    max_drafts: int | None = None,
+) -> TreeVerdict:
     """Tree verification (`tree` a `CandidateTree`). scores: the target's processed scores at the nodes, either
     [batch, N+1, V] or a function of node [batch] long that returns each row's at its node, [batch, V] (a
     `generation.TreeScores`, which processes only the rows asked for); node_tokens: [batch, N] candidate tokens
@@ -140,27 +149,33 @@ def accept_tree(scores, node_tokens: torch.Tensor, tree, do_sample: bool) -> Tre
     exactly that law, so every committed token is distributed as p. For greedy it keeps the path that agrees
     with argmax p, as chain greedy does.
 
-    Only the nodes the walk reaches are read (one to three, where a tree has 10 to 20 nodes): on a CPU the walk
-    stops once every row's walk has ended, a host check that costs nothing there; elsewhere it goes through
-    every level, and greedy never waits for the host.
+    Only the nodes the walk reaches are read (one to three, where a tree has 10 to 20 nodes): the walk stops once
+    every row's walk has ended (a host check per level). It also ends where `generate` would: at an accepted
+    candidate in `stop_tokens` [K] (end of sequence: that row's next token is then unused, as the commit cuts at
+    the stop token) and at depth `max_drafts` (the token budget less one: the next token is drawn there). Neither
+    changes what is committed before the end or within the budget; they keep the walk, and the processors behind
+    `scores`, from prefixes `generate` never reaches.
     """
     batch = node_tokens.shape[0]
     if isinstance(scores, torch.Tensor):
         scores = rows_at(scores)
-    node = node_tokens.new_zeros(batch)  # each row's current node
+    node = node_tokens.new_zeros(batch)  # each row's deepest accepted node
+    read = node  # where each row's scores are read: its node while it walks, then the last one read
     walking = torch.ones(batch, dtype=torch.bool, device=node_tokens.device)
     next_token = node_tokens.new_zeros(batch)
-    stop_early = node_tokens.device.type == "cpu"
     walked = []
-    for nodes in [*tree.levels, None]:  # the children at each depth, then the deepest level's own tokens
-        walked.append(scores(node))
+    for depth, nodes in enumerate([*tree.levels, None]):  # the children at each depth, then the deepest's tokens
+        walked.append(scores(read))
         token = target_token(walked[-1], do_sample)
         next_token = torch.where(walking, token, next_token)  # kept once the row's walk ends here
-        if nodes is None:
+        if nodes is None or (max_drafts is not None and depth >= max_drafts):
             break
         match = (tree.parent[nodes] == node[:, None]) & (node_tokens[:, nodes - 1] == token[:, None])  # [batch, L]
         walking = walking & match.any(dim=1)  # siblings differ: one match at most
         node = torch.where(walking, nodes[match.long().argmax(dim=1)], node)
-        if stop_early and not bool(walking.any()):
+        if stop_tokens is not None:  # an accepted end of sequence: nothing after it is read
+            walking = walking & ~torch.isin(token, stop_tokens)
+        read = torch.where(walking, node, read)
+        if not bool(walking.any()):
             break
     return TreeVerdict(tree.depth[node], next_token, node, torch.stack(walked, dim=1))
