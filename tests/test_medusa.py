@@ -192,3 +192,21 @@ def test_an_empty_tree_forces_a_chain_over_the_heads_default_tree():
         from selfspec.engine.tree import CandidateTree
 
         CandidateTree.from_paths([])
+
+
+def test_a_tree_is_built_once_per_list_of_paths():
+    """Dynamic and merged trees recur in a few shapes: the same ranks, as lists or tuples, give the very same tree;
+    bad paths raise each time (an error is not remembered as a tree)."""
+    from selfspec.engine.tree import CandidateTree
+
+    first = CandidateTree.from_paths([[0], [1], [0, 0]])
+    assert CandidateTree.from_paths([(0,), (1,), (0, 0)]) is first
+    assert CandidateTree.from_paths([[0], [1]]) is not first
+    assert first.parent.tolist() == [0, 0, 0, 1] and first.prefixes == [[], [1], [2], [1, 3]]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="lists a path twice"):
+            CandidateTree.from_paths([[0], [0]])
+    with pytest.raises(ValueError, match=r"Tree path \[-1\]"):
+        CandidateTree.from_paths([[-1]])
+    with pytest.raises(ValueError, match="non-negative integer ranks"):
+        CandidateTree.from_paths([3])

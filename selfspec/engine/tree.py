@@ -8,6 +8,7 @@ paths (by depth, then ranks), so a parent always comes before its children.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -38,6 +39,19 @@ class CandidateTree:
 
     @classmethod
     def from_paths(cls, paths: list[list[int]] | list[tuple[int, ...]], num_heads: int | None = None) -> CandidateTree:
+        """The tree of `paths` (lists of sibling ranks). Built once per distinct list and shared after that (nothing
+        changes a tree): dynamic and merged trees change shape every iteration, among a few shapes that recur, and
+        building one costs a few hundred microseconds of Python."""
+        try:
+            key = tuple(tuple(path) for path in paths)
+            hash(key)
+        except TypeError:  # not lists of ranks: `build` says what is wrong
+            return cls.build(paths, num_heads)
+        return _built(key, num_heads)
+
+    @classmethod
+    def build(cls, paths: list[list[int]] | list[tuple[int, ...]], num_heads: int | None = None) -> CandidateTree:
+        """`from_paths` without the cache: checks the paths and builds the index tensors."""
         cleaned = []
         for path in paths:
             if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and r >= 0 for r in path):
@@ -88,3 +102,8 @@ class CandidateTree:
         best = head_scores[:, : self.max_depth].topk(max(self.top_k), dim=-1).indices  # [batch, D, K]
         nodes = slice(1, None)
         return best[:, self.depth[nodes] - 1, self.rank[nodes]]
+
+
+@lru_cache(maxsize=1024)
+def _built(paths: tuple[tuple[int, ...], ...], num_heads: int | None) -> CandidateTree:
+    return CandidateTree.build([list(path) for path in paths], num_heads)
