@@ -208,5 +208,7 @@ def test_a_tree_is_built_once_per_list_of_paths():
             CandidateTree.from_paths([[0], [0]])
     with pytest.raises(ValueError, match=r"Tree path \[-1\]"):
         CandidateTree.from_paths([[-1]])
+    with pytest.raises(ValueError, match="integer ranks"):  # equal to a cached tree's ranks, and still checked
+        CandidateTree.from_paths([[0.0], [1], [0, 0]])
     with pytest.raises(ValueError, match="non-negative integer ranks"):
         CandidateTree.from_paths([3])

@@ -39,19 +39,9 @@ class CandidateTree:
 
     @classmethod
     def from_paths(cls, paths: list[list[int]] | list[tuple[int, ...]], num_heads: int | None = None) -> CandidateTree:
-        """The tree of `paths` (lists of sibling ranks). Built once per distinct list and shared after that (nothing
-        changes a tree): dynamic and merged trees change shape every iteration, among a few shapes that recur, and
-        building one costs a few hundred microseconds of Python."""
-        try:
-            key = tuple(tuple(path) for path in paths)
-            hash(key)
-        except TypeError:  # not lists of ranks: `build` says what is wrong
-            return cls.build(paths, num_heads)
-        return _built(key, num_heads)
-
-    @classmethod
-    def build(cls, paths: list[list[int]] | list[tuple[int, ...]], num_heads: int | None = None) -> CandidateTree:
-        """`from_paths` without the cache: checks the paths and builds the index tensors."""
+        """The tree of `paths` (lists of sibling ranks), checked every time; its index tensors are built once per
+        distinct tree and shared after that (nothing changes a tree): dynamic and merged trees change shape every
+        iteration, among a few shapes that recur, and building one costs a few hundred microseconds of Python."""
         cleaned = []
         for path in paths:
             if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and r >= 0 for r in path):
@@ -65,10 +55,17 @@ class CandidateTree:
         for path in cleaned:
             if len(path) > 1 and path[:-1] not in present:
                 raise ValueError(f"Tree path {list(path)} has no parent path {list(path[:-1])} in the tree.")
-        ordered = sorted(cleaned, key=lambda p: (len(p), p))
+        ordered = tuple(sorted(cleaned, key=lambda p: (len(p), p)))
         max_depth = max(len(p) for p in ordered)
         if num_heads is not None and max_depth > num_heads:
             raise ValueError(f"The candidate tree is {max_depth} deep, but there are only {num_heads} heads.")
+        return _built(ordered)
+
+    @classmethod
+    def _build(cls, ordered: tuple[tuple[int, ...], ...]) -> CandidateTree:
+        """The index tensors of checked paths, sorted by depth, then ranks."""
+        ordered = list(ordered)
+        max_depth = max(len(p) for p in ordered)
         index = {path: i + 1 for i, path in enumerate(ordered)}
         count = len(ordered) + 1
         parent = torch.zeros(count, dtype=torch.long)
@@ -105,5 +102,5 @@ class CandidateTree:
 
 
 @lru_cache(maxsize=1024)
-def _built(paths: tuple[tuple[int, ...], ...], num_heads: int | None) -> CandidateTree:
-    return CandidateTree.build([list(path) for path in paths], num_heads)
+def _built(ordered: tuple[tuple[int, ...], ...]) -> CandidateTree:
+    return CandidateTree._build(ordered)
