@@ -318,6 +318,52 @@ def test_tree_decoding_processes_only_the_prefixes_it_reaches(model, specs, samp
     check_stats(specs["medusa_tree"])
 
 
+def test_chain_verification_processes_only_the_prefixes_plain_decoding_makes(model, sampler):
+    """Model-free drafts are point masses that never meet the processors, so they propose odd tokens here; a
+    chain's verify pass asks the processors after a draft only where plain decoding could have made it, so a
+    `prefix_allowed_tokens_fn` that allows nothing after an odd token is never asked there (transformers raised)."""
+    asked, proposed = [], []
+
+    def allowed(batch_id, ids):
+        asked.append(int(ids[-1]))
+        return [] if int(ids[-1]) % 2 else list(range(0, VOCAB, 2))
+
+    prompt = torch.tensor([[60, 30, 88, 31, 10, 20, 40, 50, 10, 20, 88, 31, 10, 20]])
+    kwargs = dict(max_new_tokens=NEW_TOKENS, prefix_allowed_tokens_fn=allowed)
+    expected = model.generate(prompt, do_sample=False, **kwargs)
+    spec = SelfSpeculative(model, drafter="ngram", num_draft_tokens=3, adaptive=False)
+    real = spec.drafters[0].draft
+
+    def draft(*args, **kw):
+        result = real(*args, **kw)
+        proposed.extend(result.tokens.reshape(-1).tolist())
+        return result
+
+    spec.drafters[0].draft = draft
+    asked.clear()
+    assert torch.equal(spec.generate(prompt, do_sample=False, **kwargs), expected)
+    assert any(token % 2 for token in proposed), proposed  # the case in question arose
+    assert asked and all(token % 2 == 0 for token in asked[1:]), asked  # the first: the prompt's last token
+    out = seeded(spec, prompt, 0, do_sample=True, **kwargs)
+    assert all(token % 2 == 0 for token in out[0, prompt.shape[1] :].tolist())
+    assert all(token % 2 == 0 for token in asked[1:]), asked
+
+
+def test_a_prefix_function_sees_each_rows_batch_index_in_a_batch(model):
+    """Rows that gained different numbers of tokens are processed on their own: `prefix_allowed_tokens_fn` is
+    still called with the row's index in the batch, as `model.generate` calls it."""
+
+    def allowed(batch_id, ids):  # row 0 writes even tokens, row 1 odd ones
+        return list(range(batch_id % 2, VOCAB, 2))
+
+    ids, mask = padded_prompts([5, 9], seed=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, prefix_allowed_tokens_fn=allowed, pad_token_id=PAD)
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    assert all(token % 2 for token in expected[1, ids.shape[1] :].tolist())
+    for spec in (SelfSpeculative(model, exit_layer=2, num_draft_tokens=3), SelfSpeculative(model, drafter="ngram")):
+        assert torch.equal(spec.generate(ids, do_sample=False, **kwargs), expected)
+
+
 def test_tree_decoding_asks_nothing_past_the_end_or_the_budget(model):
     """The walk ends where `generate` does: with drafts that are always right (so trees are accepted deep), a
     `prefix_allowed_tokens_fn` is never asked after the end-of-sequence token, nor for a prefix past the token

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from selfspec.engine import verify
-from selfspec.engine.verify import accept_greedy, accept_sampling, acceptance_mass, residual_distribution
+from selfspec.engine.drafter import Draft
+from selfspec.engine.tree import CandidateTree
+from selfspec.engine.verify import (
+    accept_greedy,
+    accept_sampling,
+    acceptance_mass,
+    candidates_mass,
+    residual_distribution,
+)
 
 
 def dist(*values: float) -> torch.Tensor:
@@ -66,6 +74,26 @@ def test_acceptance_mass_is_one_minus_total_variation():
     p, q = dist(0.5, 0.3, 0.15, 0.05), dist(0.1, 0.2, 0.3, 0.4)
     tv = 0.5 * (p - q).abs().sum()
     torch.testing.assert_close(acceptance_mass(p, q), 1 - tv)
+
+
+def test_a_drafts_acceptance_mass_is_the_dense_one_for_point_masses_and_for_scores():
+    torch.manual_seed(0)
+    p, tokens, scores = torch.randn(2, 3, 11).softmax(dim=-1), torch.randint(0, 11, (2, 3)), torch.randn(2, 3, 11)
+    for draft in (Draft.point_mass(tokens), Draft(tokens, scores)):  # the point mass: p at the token, no dense q
+        expected = acceptance_mass(p, draft.probabilities(11))
+        torch.testing.assert_close(draft.acceptance_mass(p), expected)
+    torch.testing.assert_close(Draft.point_mass(tokens).acceptance_mass(p), p.gather(-1, tokens[..., None])[..., 0])
+
+
+def test_a_tree_steps_alpha_is_ps_mass_on_the_candidates_it_could_take():
+    tree = CandidateTree.from_paths([[0], [1], [0, 0]])  # nodes 1 = [0], 2 = [1] (a leaf), 3 = [0, 0]
+    node_tokens = torch.tensor([[5, 7, 2], [5, 7, 2]])
+    p = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0)).softmax(dim=-1)
+    stood = torch.tensor([[0, 1], [0, 2]])  # row 0 took node 1 (it has a child), row 1 took the leaf node 2
+    mass, tested = candidates_mass(p, stood, node_tokens, tree)
+    expected = torch.stack([p[:, 0, 5] + p[:, 0, 7], torch.stack([p[0, 1, 2], torch.tensor(0.0)])], dim=1)
+    torch.testing.assert_close(mass, expected)
+    assert tested.tolist() == [[True, True], [True, False]]  # a leaf offers nothing to test
 
 
 ROWS = 200_000

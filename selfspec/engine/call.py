@@ -4,14 +4,14 @@ budgets, stopping criteria, streamer and scores, with the iteration's one host s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from .adaptive import DraftController, TreeController
-from .generation import GenerationSetup, process_scores, stopping_point
+from .generation import GenerationSetup, process_scores, row_wise, stopping_point
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
-from .verify import acceptance_mass
 
 # greedy decoding adds one drafting iteration in this many to the alpha tally: its rule needs only argmaxes,
 # and alpha (a statistic nothing decides on) is what would make it build softmaxes over the vocabulary
@@ -38,6 +38,11 @@ class Call:
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
     greedy_drafting: int = 0  # greedy iterations that verified drafts, for `alpha_due`
 
+    @cached_property
+    def stop_tokens(self) -> torch.Tensor:
+        """The end-of-sequence ids [K] on the device (K = 0 where there is none), made once per call."""
+        return torch.tensor(sorted(self.setup.eos_token_ids), dtype=torch.long, device=self.state.sequences.device)
+
     @property
     def remaining(self) -> int:
         """New tokens the row closest to its budget may still take."""
@@ -52,17 +57,54 @@ class Call:
         row_processors = [self.setup.row_processors[row] for row in self.rows]
         return process_scores(row_processors, inputs, tokens, logits, offset)
 
+    def verify_scores(self, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The verify pass's processed scores [batch, G+1, V] for drafts [batch, G], as far as each row may go.
+
+        Processors that read the input ids process position i + 1 of a row only if plain decoding could have
+        made its drafts up to i: each is the argmax of the scores before it (greedy) or a token they allow
+        (sampling, a finite score), and none is an end of sequence. So they never meet a prefix `generate` would
+        not give them, such as a `prefix_allowed_tokens_fn` asked after a token it forbids. The rule reads no
+        position past a row's first rejection; the raw logits stand there. Other processors (none, or only
+        `ROW_WISE_PROCESSORS`) take every position at once."""
+        setup = self.setup
+        if not setup.processors or row_wise(setup.processors):
+            return self.process(drafts, logits)
+        inputs, batch = self.state.processor_inputs(), drafts.shape[0]
+        prefixes = inputs if isinstance(inputs, list) else [inputs[b : b + 1] for b in range(batch)]
+        lists = [setup.row_processors[row] for row in self.rows] if setup.row_processors else [setup.processors]
+        scores, going = logits.float().clone(), list(range(batch))  # the rows processed are written in place
+        for i in range(drafts.shape[1] + 1):
+            for b in going:
+                ids = torch.cat([prefixes[b], drafts[b : b + 1, :i]], dim=1)
+                scores[b, i] = lists[b](ids, logits[b : b + 1, i].float().clone())[0]  # a copy: processors write
+            if i == drafts.shape[1]:
+                break
+            tokens = drafts[going, i]
+            rows = scores[going, i]
+            made = (
+                rows.argmax(dim=-1) == tokens
+                if not setup.do_sample
+                else rows.gather(1, tokens[:, None])[:, 0] > -torch.inf
+            )
+            ended = torch.isin(tokens, self.stop_tokens)
+            going = [b for b, keep in zip(going, (made & ~ended).tolist(), strict=True) if keep]
+            if not going:
+                break
+        return scores
+
     def alpha_due(self) -> bool:
         """Whether a greedy drafting iteration adds to the alpha tally: the first, then one in `GREEDY_ALPHA_EVERY`
         (sampling adds every one: its rule builds p and q anyway)."""
         self.greedy_drafting += 1
         return (self.greedy_drafting - 1) % GREEDY_ALPHA_EVERY == 0
 
-    def record_alpha(self, p: torch.Tensor, q: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Add sum_x min(p, q) over the draft positions the rule tested (1..num_accepted+1) to the tally.
-        p, q: [batch, G, V]."""
-        tested = torch.arange(q.shape[1], device=q.device)[None, :] <= num_accepted[:, None]  # [batch, G]
-        mass = torch.where(tested, acceptance_mass(p, q), 0)  # untested positions may hold NaN
+    def record_alpha(self, mass: torch.Tensor, num_accepted: torch.Tensor, tested: torch.Tensor | None = None) -> None:
+        """Add alpha = sum_x min(p, q) at the draft positions the rule tested to the tally. mass: [batch, G], alpha
+        at every draft position (`acceptance_mass`, `Draft.acceptance_mass`, `candidates_mass`); tested: [batch, G]
+        bool, the positions among 1..num_accepted+1 that were tested (default: all of them)."""
+        reached = torch.arange(mass.shape[1], device=mass.device)[None, :] <= num_accepted[:, None]  # [batch, G]
+        tested = reached if tested is None else reached & tested
+        mass = torch.where(tested, mass, 0)  # untested positions may hold NaN
         self.alpha += torch.stack([mass.sum(), tested.sum()]).double()
 
     def commit(self, committed, num_accepted, scores, logits):

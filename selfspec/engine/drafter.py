@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .state import DecodeState
-from .verify import draw
+from .verify import acceptance_mass, draw
 
 MAX_DRAFT_TOKENS = 32  # more drafts per iteration cannot pay: alpha^32 is negligible for any real draft
 
@@ -66,6 +66,13 @@ class Draft:
             q = torch.zeros(*self.tokens.shape, vocab_size, device=self.tokens.device)
             return q.scatter_(-1, self.tokens[..., None], 1.0)
         return self.scores.float().softmax(dim=-1)
+
+    def acceptance_mass(self, p: torch.Tensor) -> torch.Tensor:
+        """alpha = sum_x min(p(x), q(x)) at each draft position [batch, G], p [batch, G, V]: for a point mass
+        p at its token (no dense q is built)."""
+        if self.scores is None:
+            return p.gather(-1, self.tokens[..., None]).squeeze(-1).float()
+        return acceptance_mass(p, self.probabilities(p.shape[-1]))
 
 
 @dataclass

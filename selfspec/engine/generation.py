@@ -9,6 +9,7 @@ Anything the speculative loop cannot honour raises `UnsupportedGenerationArgumen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -146,12 +147,17 @@ def prepare_generation(
     model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
     config.max_length = prompt_length + max_new_tokens  # what processors such as forced_eos read
 
+    allowed = call.get("prefix_allowed_tokens_fn")
+
     def build_processors(rows: slice) -> LogitsProcessorList:
+        row_allowed = allowed
+        if allowed is not None and rows.start:  # a row's own list: the function still sees the row's batch index
+            row_allowed = partial(shifted_batch_id, allowed, rows.start)
         return model._get_logits_processor(
             generation_config=config,
             input_ids_seq_length=prompt_length,
             encoder_input_ids=input_ids[rows],
-            prefix_allowed_tokens_fn=call.get("prefix_allowed_tokens_fn"),
+            prefix_allowed_tokens_fn=row_allowed,
             logits_processor=call.get("logits_processor") or LogitsProcessorList(),
             device=input_ids.device,
             model_kwargs={"attention_mask": attention_mask[rows] if attention_mask is not None else None},
@@ -183,6 +189,12 @@ def prepare_generation(
         attention_mask=attention_mask,
         streamer=call.get("streamer"),
     )
+
+
+def shifted_batch_id(allowed, first: int, batch_id: int, input_ids: torch.Tensor):
+    """`prefix_allowed_tokens_fn` for the processors of rows first, first + 1 ...: called with the batch index
+    `model.generate` would pass (first + batch_id), not the index within those rows."""
+    return allowed(first + batch_id, input_ids)
 
 
 def row_wise(processors: LogitsProcessorList) -> bool:

@@ -29,7 +29,7 @@ from .generation import (
 )
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
-from .verify import Verdict, accept_greedy, accept_sampling, accept_tree
+from .verify import Verdict, accept_greedy, accept_sampling, accept_tree, acceptance_mass, candidates_mass
 from .verify_cost import measured_verify_costs
 
 
@@ -168,18 +168,18 @@ class DecodingLoop:
                 logits, hidden = target_pass(self.adapter, state, state.sequences[:, -1:], self.hidden_layers)
             else:
                 logits, hidden = drafter.verify(self.adapter, state, draft, self.hidden_layers)
-            scores = call.process(drafts, logits)  # [batch, G+1, V]
+            scores = call.verify_scores(drafts, logits)  # [batch, G+1, V]
             if gamma == 0:
                 verdict = Verdict(state.sequences.new_zeros(state.batch_size), pick(scores[:, 0], setup.do_sample))
             elif setup.do_sample:
                 p, q = scores.softmax(dim=-1), draft.probabilities(vocab_size)
                 verdict = accept_sampling(p, q, drafts)
-                call.record_alpha(p[:, :gamma], q, verdict.num_accepted)
+                call.record_alpha(acceptance_mass(p[:, :gamma], q), verdict.num_accepted)
             else:  # argmaxes only; softmaxes for the alpha tally when it is due
                 verdict = accept_greedy(scores, drafts)
                 if call.alpha_due():
                     p = scores[:, :gamma].softmax(dim=-1)
-                    call.record_alpha(p, draft.probabilities(vocab_size), verdict.num_accepted)
+                    call.record_alpha(draft.acceptance_mass(p), verdict.num_accepted)
         kept = torch.arange(gamma + 1, device=drafts.device)[None, :].expand(state.batch_size, -1)
         self._hand_over(Verified(verdict.num_accepted, verdict.num_accepted, kept, hidden, False), index)
         call.drafted_by = index if gamma else None
@@ -199,8 +199,7 @@ class DecodingLoop:
             logits, hidden = drafter.verify_tree(self.adapter, state, tree, node_tokens, self.hidden_layers)
             scores = TreeScores(setup.processors, state.sequences, node_tokens, logits, tree)  # processed when asked
             # greedy: argmaxes, as generate; the walk ends where generate would (end of sequence, the budget)
-            stop = torch.tensor(sorted(setup.eos_token_ids), dtype=torch.long, device=node_tokens.device)
-            verdict = accept_tree(scores, node_tokens, tree, setup.do_sample, stop, call.remaining - 1)
+            verdict = accept_tree(scores, node_tokens, tree, setup.do_sample, call.stop_tokens, call.remaining - 1)
             # path: [batch, D+1] the root, then the accepted path's nodes (padded with the root)
             root = verdict.last_node.new_zeros(verdict.last_node.shape[0], 1)
             path = torch.cat([root, tree.ancestors[verdict.last_node]], dim=1)
@@ -210,13 +209,14 @@ class DecodingLoop:
             walked = min(path_scores.shape[1], depth)  # the draft positions the rule may have tested
             rows = torch.arange(path.shape[0], device=path.device)[:, None]  # whole rows: faster than a gather on a CPU
             path_logits = logits[rows, path]  # [batch, D+1, V]
-            if setup.do_sample or call.alpha_due():  # q at each depth: the draft logits at the path's node before it
-                if node_logits is None:  # candidates proposed deterministically: point masses
-                    q = Draft.point_mass(path_tokens[:, :walked]).probabilities(logits.shape[-1])
-                else:
-                    drafts, tokens = node_logits[rows, path[:, :walked]], path_tokens[:, :walked]
-                    q = process_scores(setup.processors, state.sequences, tokens, drafts).softmax(dim=-1)
-                call.record_alpha(path_scores[:, :walked].softmax(dim=-1), q, verdict.num_accepted)
+            if setup.do_sample or call.alpha_due():  # at each step, the node the walk stood on and its children
+                p, stood = path_scores[:, :walked].softmax(dim=-1), path[:, :walked]
+                mass, tested = candidates_mass(p, stood, node_tokens, tree)  # deterministic candidates
+                if node_logits is not None:  # q: the draft logits at the node, processed after the path's tokens
+                    tokens = path_tokens[:, :walked]
+                    drafts = process_scores(setup.processors, state.sequences, tokens, node_logits[rows, stood])
+                    mass = Draft(tokens, drafts).acceptance_mass(p)
+                call.record_alpha(mass, verdict.num_accepted, tested)
         self._hand_over(Verified(verdict.num_accepted, verdict.last_node, path, hidden, False), 0)
         call.drafted_by = 0
         return self._advance(

@@ -21,8 +21,9 @@ class GenerationStats:
     accepted: int = 0  # drafted tokens the verifier kept
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i+1
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts proposed at draft position i+1
-    # analytic acceptance rate: mean over tested positions of sum_x min(p, q); greedy tallies it on one drafting
-    # iteration in `call.GREEDY_ALPHA_EVERY` (its rule needs no softmax), sampling on every one
+    # analytic acceptance rate: mean over tested positions of sum_x min(p, q) (a tree of deterministic candidates:
+    # p's mass on a node's candidates); greedy tallies it on one drafting iteration in `call.GREEDY_ALPHA_EVERY`
+    # (its rule needs no softmax), sampling on every one
     alpha: float = float("nan")
     drafted_by: dict[str, dict[str, int]] = field(
         default_factory=dict

@@ -106,6 +106,17 @@ def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(dim=-1)
 
 
+def candidates_mass(p: torch.Tensor, stood: torch.Tensor, node_tokens: torch.Tensor, tree) -> tuple:
+    """alpha at each step of a tree walk with deterministic candidates: p's mass on the children of the node the
+    walk stood on, the chance that the target's token is one of them (one child: min(p, q) for a point mass).
+    p: [batch, W, V] the target's distributions along the walk; stood: [batch, W] the node at each step;
+    node_tokens: [batch, N]. Returns the mass [batch, W] and whether the node has children [batch, W] (a leaf
+    tests nothing)."""
+    children = tree.parent[1:] == stood[..., None]  # [batch, W, N]
+    at_candidates = p.gather(-1, node_tokens[:, None, :].expand(-1, stood.shape[1], -1))  # [batch, W, N]
+    return torch.where(children, at_candidates, 0).sum(dim=-1), children.any(dim=-1)
+
+
 def target_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """The target's token after each row of processed scores [batch, V]: a draw from their softmax, or their argmax.
     A tree walk asks it only at nodes it reaches, whose tokens the target allowed: a processor that leaves such a
