@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_medusa import medusa_heads
-from test_sampling_exactness import NEW_TOKENS, PROMPT, ROWS, SAMPLES, chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import ROWS, chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import padded_prompts, random_prompt, tiny_model
 
@@ -92,7 +92,6 @@ def test_ngram_sampling_is_distributed_as_the_target(sampling_model):  # noqa: F
     spec = SelfSpeculative(sampling_model, drafter="ngram", prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
     counts = sampled_counts(spec, rows=ROWS)
     assert chi_square_pvalue(counts, exact_law(sampling_model)) > 1e-3
-    assert counts.sum() == SAMPLES and NEW_TOKENS == 3 and PROMPT.shape[0] == 1
 
 
 def test_sampling_test_tells_a_broken_rule(sampling_model, monkeypatch):  # noqa: F811

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 from test_batch import assert_rows_exact
-from test_sampling_exactness import PROMPT, ROWS, VOCAB, chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import ROWS, VOCAB, chi_square_pvalue, exact_law, sampled_counts
 from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_model
 from transformers import DynamicCache
 
@@ -318,7 +318,6 @@ def test_dynamic_tree_sampling_is_distributed_as_the_target():
     )
     counts = sampled_counts(spec, temperature=0.8)  # trees verify one prompt at a time
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
-    assert PROMPT.shape[0] == 1
 
 
 def test_save_load_round_trip_drafts_the_same(trained, tmp_path):

@@ -13,6 +13,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokeniz
 from transformers.generation.streamers import BaseStreamer
 
 from selfspec import SelfSpeculative, UnsupportedGenerationArgument
+from selfspec.measure.ties import compare_greedy
 
 VOCAB = 96
 
@@ -197,6 +198,9 @@ def test_stats_describe_the_call(model):
 def test_bfloat16_model_generates_on_cpu(model):
     bf16 = tiny_model("qwen2", seed=2).to(torch.bfloat16)
     spec = SelfSpeculative(bf16, exit_layer=2, num_draft_tokens=4)
-    out = spec.generate(random_prompt(5), max_new_tokens=20, do_sample=False)
+    prompt = random_prompt(5)
+    out = spec.generate(prompt, max_new_tokens=20, do_sample=False)
     assert out.shape == (1, 25) and spec.stats.new_tokens == 20
     assert spec.stats.new_tokens == spec.stats.accepted + spec.stats.target_passes
+    reference = bf16.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+    assert compare_greedy(bf16, prompt, reference, out) is not False  # generate's, up to a bfloat16 tie

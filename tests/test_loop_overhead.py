@@ -130,4 +130,6 @@ def test_batched_pass_times_cover_every_size_and_width():
     times = time_batched_passes(adapter, random_prompt(12, seed=1), (1, 3), max_gamma=2, repeats=1)
     assert sorted(times) == [(rows, positions) for rows in (1, 3) for positions in (1, 2, 3)]
     assert all(seconds > 0 for seconds in times.values())
-    assert all(r >= 0 for r in fit_position_costs(times).values())
+    assert sorted(fit_position_costs(times)) == [1, 3]
+    modeled = {(rows, n): 1 + {1: 0.05, 3: 0.02}[rows] * rows * n for rows in (1, 3) for n in (1, 2, 3)}  # known r
+    assert fit_position_costs(modeled) == pytest.approx({1: 0.05, 3: 0.02})

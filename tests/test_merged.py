@@ -12,7 +12,7 @@ from test_sampling_exactness import chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
 from tiny_models import random_prompt, tiny_model
 
-from selfspec import Draft, NGramDrafter, SelfSpeculative, SuffixDrafter
+from selfspec import Draft, NGramDrafter, SelfSpeculative, SuffixDrafter, UnsupportedGenerationArgument
 from selfspec.drafters.merged import MergedTreeDrafter, merge_paths, token_paths
 from selfspec.engine.drafter import DrafterContractError
 from selfspec.engine.tree import CandidateTree
@@ -92,7 +92,7 @@ def test_merged_trees_refuse_what_they_cannot_verify():
         SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE, compile=True)
     spec = SelfSpeculative(model, drafter="hybrid", heads=heads, tree=EAGLE_TREE, adaptive=False)
     prompts = torch.cat([random_prompt(8, seed=1), random_prompt(8, seed=2)])
-    with pytest.raises(Exception, match="Tree verification runs one prompt at a time"):
+    with pytest.raises(UnsupportedGenerationArgument, match="Tree verification runs one prompt at a time"):
         spec.generate(prompts, max_new_tokens=4, do_sample=False)
 
 

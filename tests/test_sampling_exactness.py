@@ -191,10 +191,13 @@ def test_batched_sampling_is_distributed_as_the_target_per_row(model):
     spec = early_exit(model, 2)
     torch.manual_seed(0)
     counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
+    accepted = proposed = 0
     for _ in range(SAMPLES // rows):
         out = spec.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2, do_sample=True, top_k=3)
         for t1, t2, t3 in out[:, padded.shape[1] : padded.shape[1] + NEW_TOKENS].tolist():
             counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+        accepted, proposed = accepted + spec.stats.accepted, proposed + spec.stats.proposed
+    assert accepted >= 100 and proposed - accepted >= 100, f"{accepted} of {proposed} drafts accepted"
     pvalue = chi_square_pvalue(counts, exact_law(model, top_k=3))
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 

@@ -78,7 +78,14 @@ def test_model_demo_is_the_default_target_with_its_heads():
     for model, _, heads, prompts, vocab in (by_name, default):
         assert set(heads) == {ExitHeads, MedusaHeads, EagleHeads} and len(prompts) == 8 and len(vocab) > 0
         assert ModelAdapter(model).num_layers == 12
-    assert by_name[3] == default[3]
+    assert by_name[3] == default[3] and by_name[4] == default[4]  # prompts, draft vocabulary
+    assert same_weights(by_name[0], default[0])  # the model, and each kind of heads
+    assert all(same_weights(heads, default[2][kind]) for kind, heads in by_name[2].items())
+
+
+def same_weights(module: torch.nn.Module, other: torch.nn.Module) -> bool:
+    weights, others = module.state_dict(), other.state_dict()
+    return weights.keys() == others.keys() and all(torch.equal(weights[name], others[name]) for name in weights)
 
 
 def test_a_target_folder_may_hold_chat_prompts(tmp_path):

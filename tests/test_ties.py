@@ -3,6 +3,8 @@ reference score is within TIE_STEPS rounding steps of the model's dtype of the b
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tiny_models import random_prompt, tiny_model
 
@@ -45,9 +47,28 @@ def test_a_divergence_at_a_tie_is_a_tie_and_any_other_is_not():
     assert compare_greedy(model.float(), prompt, reference, other) is False  # float32: no tie rule
 
 
-def test_gap_shifts_measure_each_new_position():
-    from selfspec.measure.ties import gap_shifts
+def test_gap_shifts_measure_each_new_position(monkeypatch):
+    from types import SimpleNamespace
 
-    model = tiny_model("llama").to(torch.bfloat16)
-    shifts = gap_shifts(model, random_prompt(7), max_new_tokens=6)
-    assert len(shifts) == 6 and all(shift >= 0 for shift in shifts)
+    from selfspec.measure import ties
+
+    model, prompt = tiny_model("llama").to(torch.bfloat16), random_prompt(7)
+    base = ties.gap_shifts(model, prompt, max_new_tokens=6)
+    assert len(base) == 6 and all(math.isfinite(shift) for shift in base)
+    out = ties.greedy_with_scores(model, prompt, 6)
+    single = out.scores[2][0].float()
+    first = int(single.argmax())
+    step = ties.rounding_step(float(single[first]), torch.bfloat16)
+
+    class Moved:  # one pass over the answer that moves the third new position's best score up 3 rounding steps
+        dtype = model.dtype
+
+        def __call__(self, ids):
+            logits = model(ids).logits.float()
+            logits[0, prompt.shape[1] + 1, first] += 3 * step
+            return SimpleNamespace(logits=logits)
+
+    monkeypatch.setattr(ties, "greedy_with_scores", lambda *args: out)
+    moved = ties.gap_shifts(Moved(), prompt, max_new_tokens=6)
+    assert abs(moved[2] - 3.0) <= base[2] + 1e-6  # 3 steps on top of what the pass moved already
+    assert moved[:2] + moved[3:] == base[:2] + base[3:]

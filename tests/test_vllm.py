@@ -246,6 +246,7 @@ def check_against_vllm(name: str, case: dict, heads, vocab, served: dict) -> Non
         assert theirs["accepted_per_position"] == by_position([step["accepted"] for step in vllm_steps.values()])
         assert theirs["drafts"] == len(vllm_steps) and theirs["draft_tokens"] == DRAFTS * len(vllm_steps)
         comparison.add(replay(mine, reference, len(output)), vllm_steps)
+    assert comparison.steps > 0 and comparison.positions > 0  # drafts were compared at all
     assert by_position(comparison.mine) == accepted  # selfspec's stats count the recorded drafts
     assert comparison.largest <= LOGIT_TOLERANCE
     assert all(gap <= 2 * LOGIT_TOLERANCE for _, _, gap in comparison.parted), comparison.parted
