@@ -79,13 +79,11 @@ class Call:
                 scores[b, i] = lists[b](ids, logits[b : b + 1, i].float().clone())[0]  # a copy: processors write
             if i == drafts.shape[1]:
                 break
-            tokens = drafts[going, i]
-            rows = scores[going, i]
-            made = (
-                rows.argmax(dim=-1) == tokens
-                if not setup.do_sample
-                else rows.gather(1, tokens[:, None])[:, 0] > -torch.inf
-            )
+            tokens, rows = drafts[going, i], scores[going, i]
+            if setup.do_sample:  # a token the processors allow
+                made = rows.gather(1, tokens[:, None])[:, 0] > -torch.inf
+            else:  # the token greedy decoding takes
+                made = rows.argmax(dim=-1) == tokens
             ended = torch.isin(tokens, self.stop_tokens)
             going = [b for b, keep in zip(going, (made & ~ended).tolist(), strict=True) if keep]
             if not going:
