@@ -65,6 +65,49 @@ def test_batch_with_processors_sees_each_row_as_generate_does():
     assert_rows_exact(model, spec, BATCHES[2], seed=3, alone=False, repetition_penalty=1.4, no_repeat_ngram_size=3)
 
 
+@pytest.mark.parametrize("extra", [{"repetition_penalty": 1.3}, {"encoder_repetition_penalty": 1.5}])
+def test_processors_with_per_row_state_after_rows_leave_the_batch(extra):
+    """Rows that finish leave the batch; the rest are processed by their own processors (a repetition penalty's
+    prompt length to skip, an encoder penalty's prompt), not by the whole batch's, which raised."""
+    model = tiny_model("llama")
+    ids, mask = padded_prompts([5, 9, 3], seed=1)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD, **extra)
+    eos = int(free[0, ids.shape[1] + 4])  # row 0 ends early; the others go on
+    spec = SelfSpeculative(model, exit_layer=2, position_cost=0.0)
+    stats = assert_rows_exact(model, spec, [5, 9, 3], seed=1, alone=False, eos_token_id=eos, **extra)
+    assert stats.new_tokens < 20 * 3
+
+
+@pytest.mark.parametrize("drafter", [{"exit_layer": 2, "num_draft_tokens": 3}, {"drafter": "ngram"}])
+def test_without_an_eos_a_stopped_row_goes_on_until_every_row_has_stopped(drafter):
+    """`generate` pads a row stopped by a stopping criterion only when there is an end-of-sequence token;
+    without one the row goes on, unpadded, until every row has stopped, and each row has as many new tokens as
+    the last one to stop."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    model = tiny_model("llama")  # no end-of-sequence token
+    ids, mask = padded_prompts([5, 9], seed=0)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    rows = free[:, ids.shape[1] :].tolist()
+    # a token that stops row 1 early and that row 0 does not make, then one that stops row 0 later
+    early = next(k for k in range(3, 10) if rows[1][k] not in rows[1][:k] and rows[1][k] not in rows[0][:20])
+    late = next(k for k in range(10, 20) if rows[0][k] not in rows[0][:k] and rows[0][k] not in rows[1][:early])
+    stop_tokens = {rows[1][early], rows[0][late]}
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.isin(input_ids[:, -1], torch.tensor(sorted(stop_tokens)))
+
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    criteria = StoppingCriteriaList([StopAt()])
+    expected = model.generate(ids, stopping_criteria=criteria, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + late + 1  # both rows run to row 0's stop, row 1 unpadded
+    assert torch.equal(expected, free[:, : expected.shape[1]])
+    spec = SelfSpeculative(model, **drafter)
+    assert torch.equal(spec.generate(ids, stopping_criteria=criteria, **kwargs), expected)
+    assert spec.stats.new_tokens == 2 * (expected.shape[1] - ids.shape[1])
+
+
 def test_batch_limits_are_explicit():
     model = tiny_model("llama")
     ids, mask = padded_prompts([3, 5])

@@ -349,6 +349,25 @@ def test_chain_verification_processes_only_the_prefixes_plain_decoding_makes(mod
     assert all(token % 2 == 0 for token in asked[1:]), asked
 
 
+def test_drafting_asks_the_processors_nothing_after_a_drafted_end_of_sequence():
+    """A drafter that processes its own proposals stops processing a row at an end of sequence it drafted:
+    `generate` asks a `prefix_allowed_tokens_fn` nothing after one, and this one allows nothing there."""
+    model, prompt, eos = tiny_model("llama"), random_prompt(6, seed=3), 93
+    after_eos = []
+
+    def allowed(batch_id, ids):
+        after_eos.append(int(ids[-1]) == eos)
+        return [] if int(ids[-1]) == eos else list(range(VOCAB))
+
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos, prefix_allowed_tokens_fn=allowed, do_sample=False)
+    expected = model.generate(prompt, **kwargs)
+    for exit_layer in (2, 3):
+        after_eos.clear()
+        spec = SelfSpeculative(model, exit_layer=exit_layer, num_draft_tokens=4)
+        assert torch.equal(spec.generate(prompt, **kwargs), expected)
+        assert after_eos and not any(after_eos)
+
+
 def test_a_prefix_function_sees_each_rows_batch_index_in_a_batch(model):
     """Rows that gained different numbers of tokens are processed on their own: `prefix_allowed_tokens_fn` is
     still called with the row's index in the batch, as `model.generate` calls it."""

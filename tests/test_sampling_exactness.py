@@ -20,6 +20,7 @@ import torch
 from scipy.stats import chisquare
 from test_medusa import medusa_heads
 from tiny_models import tiny_model
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from selfspec import SelfSpeculative
 from selfspec.engine import verify
@@ -54,15 +55,18 @@ def processed(logits: torch.Tensor, temperature=1.0, top_k=None, top_p=None) -> 
     return scores.softmax(-1)
 
 
-def exact_law(model, **processing) -> torch.Tensor:
-    """P(t1, t2, t3 | prompt) for all VOCAB^3 continuations, as a flat vector."""
+def exact_law(model, no_repeat: bool = False, **processing) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) for all VOCAB^3 continuations, as a flat vector (`no_repeat`: the last token may not
+    come again, as `NoRepeat` processes it)."""
     law = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
     with torch.no_grad():
         for index, tokens in enumerate(itertools.product(range(VOCAB), repeat=NEW_TOKENS)):
             probability = 1.0
             for step in range(NEW_TOKENS):
                 prefix = torch.cat([PROMPT, torch.tensor([tokens[:step]], dtype=torch.long)], dim=1)
-                logits = model(prefix).logits[0, -1]
+                logits = model(prefix).logits[0, -1].clone()
+                if no_repeat:
+                    logits[prefix[0, -1]] = float("-inf")
                 probability *= processed(logits, **processing)[tokens[step]].item()
             law[index] = probability
     return law
@@ -199,6 +203,25 @@ def test_batched_sampling_is_distributed_as_the_target_per_row(model):
         accepted, proposed = accepted + spec.stats.accepted, proposed + spec.stats.proposed
     assert accepted >= 100 and proposed - accepted >= 100, f"{accepted} of {proposed} drafts accepted"
     pvalue = chi_square_pvalue(counts, exact_law(model, top_k=3))
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
+
+
+class NoRepeat(LogitsProcessor):
+    """A processor that reads the input ids: the last token may not come again."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores.scatter(1, input_ids[:, -1:], float("-inf"))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_sampling_with_a_processor_that_reads_the_ids_is_distributed_as_the_target(model, rows):
+    """Such processors process each row on its own, position by position, and only as far as sampling could have
+    gone (the drafts so far are tokens they allow): the law is still the target's, alone and in a batch."""
+    spec = early_exit(model, 2)
+    counts = sampled_counts(spec, rows=rows, logits_processor=LogitsProcessorList([NoRepeat()]))
+    law = exact_law(model, no_repeat=True)
+    assert counts[law == 0].sum() == 0  # no token repeats
+    pvalue = chi_square_pvalue(counts, law)
     assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 

@@ -37,6 +37,15 @@ class Call:
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
     greedy_drafting: int = 0  # greedy iterations that verified drafts, for `alpha_due`
+    # without an end-of-sequence token, `generate` keeps a row that a stopping criterion stopped going (unpadded)
+    # until every row has stopped: caller's row -> its new tokens when a criterion first fired; then every row
+    # has as many new tokens as the last row to stop (`limit`)
+    stopped: dict[int, int] = field(default_factory=dict)
+    limit: int = -1  # new tokens per row: max_new_tokens (set at the start), fewer once every row has stopped
+    lengths: dict[int, int] = field(default_factory=dict)  # caller's row -> its new tokens when it finished
+
+    def __post_init__(self):
+        self.limit, self.num_rows = self.setup.max_new_tokens, len(self.rows)
 
     @cached_property
     def stop_tokens(self) -> torch.Tensor:
@@ -46,16 +55,16 @@ class Call:
     @property
     def remaining(self) -> int:
         """New tokens the row closest to its budget may still take."""
-        return self.setup.max_new_tokens - max(self.generated)
+        return self.limit - max(self.generated)
 
     def process(self, tokens: torch.Tensor, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Processed scores [batch, P, V] of the positions after each row's tokens and tokens[:, :offset+i],
-        with the input ids `model.generate` would give the processors (see `process_scores`)."""
-        inputs = self.state.processor_inputs()
-        if isinstance(inputs, torch.Tensor) or not self.setup.row_processors:
-            return process_scores(self.setup.processors, inputs, tokens, logits, offset)
-        row_processors = [self.setup.row_processors[row] for row in self.rows]
-        return process_scores(row_processors, inputs, tokens, logits, offset)
+        with the input ids `model.generate` would give the processors (see `process_scores`). Where processors
+        read the input ids, a row whose tokens before a position hold an end of sequence keeps the raw logits
+        there: `generate` asks nothing after one (a drafter's proposals past it are cut by the commit)."""
+        if self._all_at_once():  # the input ids go unread
+            return process_scores(self.setup.processors, self.state.sequences, tokens, logits, offset)
+        return self._process_rows(tokens, logits, offset)
 
     def verify_scores(self, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The verify pass's processed scores [batch, G+1, V] for drafts [batch, G], as far as each row may go.
@@ -64,30 +73,48 @@ class Call:
         made its drafts up to i: each is the argmax of the scores before it (greedy) or a token they allow
         (sampling, a finite score), and none is an end of sequence. So they never meet a prefix `generate` would
         not give them, such as a `prefix_allowed_tokens_fn` asked after a token it forbids. The rule reads no
-        position past a row's first rejection; the raw logits stand there. Other processors (none, or only
-        `ROW_WISE_PROCESSORS`) take every position at once."""
-        setup = self.setup
-        if not setup.processors or row_wise(setup.processors):
+        position past a row's first rejection; the raw logits stand there."""
+        if self._all_at_once():
             return self.process(drafts, logits)
-        inputs, batch = self.state.processor_inputs(), drafts.shape[0]
+        if self.setup.do_sample:  # a token the processors allow
+
+            def made(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+                return rows.gather(1, tokens[:, None])[:, 0] > -torch.inf
+        else:  # the token greedy decoding takes
+
+            def made(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+                return rows.argmax(dim=-1) == tokens
+
+        return self._process_rows(drafts, logits, 0, made)
+
+    def _all_at_once(self) -> bool:
+        """Whether every position of every row is processed in one call: no processor, or only
+        `ROW_WISE_PROCESSORS`, which read neither the input ids nor the batch's rows."""
+        return not self.setup.processors or row_wise(self.setup.processors)
+
+    def _process_rows(self, tokens, logits, offset: int, made=None) -> torch.Tensor:
+        """Each row on its own, position by position, with its own processors (a batch's rows hold per-row state
+        such as their prompt's padding, and rows leave the batch as they finish): position i after the row's
+        prefix and tokens[:, :offset + i]. A row stops at an end of sequence among those tokens and, with
+        `made(scores [n, V], tokens [n]) -> [n] bool`, at a token plain decoding could not have made; the raw
+        logits stand at the positions it does not reach."""
+        setup, state = self.setup, self.state
+        inputs, batch = state.processor_inputs(), tokens.shape[0]
         prefixes = inputs if isinstance(inputs, list) else [inputs[b : b + 1] for b in range(batch)]
         lists = [setup.row_processors[row] for row in self.rows] if setup.row_processors else [setup.processors]
-        scores, going = logits.float().clone(), list(range(batch))  # the rows processed are written in place
-        for i in range(drafts.shape[1] + 1):
+        scores = logits.float().clone()  # the rows processed are written in place
+        going = [b for b in range(batch) if not torch.isin(tokens[b, :offset], self.stop_tokens).any()]
+        for i in range(logits.shape[1]):
             for b in going:
-                ids = torch.cat([prefixes[b], drafts[b : b + 1, :i]], dim=1)
+                ids = torch.cat([prefixes[b], tokens[b : b + 1, : offset + i]], dim=1)
                 scores[b, i] = lists[b](ids, logits[b : b + 1, i].float().clone())[0]  # a copy: processors write
-            if i == drafts.shape[1]:
+            if offset + i == tokens.shape[1] or not going:
                 break
-            tokens, rows = drafts[going, i], scores[going, i]
-            if setup.do_sample:  # a token the processors allow
-                made = rows.gather(1, tokens[:, None])[:, 0] > -torch.inf
-            else:  # the token greedy decoding takes
-                made = rows.argmax(dim=-1) == tokens
-            ended = torch.isin(tokens, self.stop_tokens)
-            going = [b for b, keep in zip(going, (made & ~ended).tolist(), strict=True) if keep]
-            if not going:
-                break
+            drafted = tokens[going, offset + i]
+            keep = ~torch.isin(drafted, self.stop_tokens)
+            if made is not None:
+                keep &= made(scores[going, i], drafted)
+            going = [b for b, kept in zip(going, keep.tolist(), strict=True) if kept]
         return scores
 
     def alpha_due(self) -> bool:
@@ -113,22 +140,29 @@ class Call:
         appended, and whether the row is done."""
         setup, state = self.setup, self.state
         rows = torch.cat([num_accepted[:, None], committed], dim=1).tolist()  # [batch, 1 + W] -> lists
-        accepted, kept, finished = [], [], []
+        accepted, kept, stops, ends = [], [], [], []
         for row, (num, *tokens) in enumerate(rows):
             count = num + 1
             eos = next((i + 1 for i, token in enumerate(tokens[:count]) if token in setup.eos_token_ids), None)
-            count = eos or count
-            budget = setup.max_new_tokens - self.generated[row]
-            keep = min(count, budget)
+            keep = min(eos or count, self.limit - self.generated[row])
             stop = None
             if setup.stopping_criteria:
                 prefix = state.sequences[row : row + 1, state.added_pad[row] :]
                 stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
-            keep = stop or keep
+            if stop is not None and not setup.eos_token_ids:  # the row goes on, as in `generate`
+                self.stopped.setdefault(self.rows[row], self.generated[row] + stop)
+                stop = None
             accepted.append(num)
-            kept.append(keep)
-            finished.append(stop is not None or (eos is not None and keep == count) or keep == budget)
+            kept.append(stop or keep)
+            stops.append(stop is not None)
+            ends.append(eos is not None and keep == eos)
+        if len(self.stopped) == self.num_rows and max(self.stopped.values()) < self.limit:  # the last row stopped
+            self.limit = max(self.stopped.values())
+            kept = [max(0, min(keep, self.limit - self.generated[row])) for row, keep in enumerate(kept)]
+        finished = []
+        for row, keep in enumerate(kept):
             self.generated[row] += keep
+            finished.append(stops[row] or ends[row] or self.generated[row] >= self.limit)
         state.append(committed, kept)
         if setup.config.output_scores:
             self.scores.extend(scores[:, i].clone() for i in range(kept[0]))
@@ -140,4 +174,13 @@ class Call:
         for row, done in enumerate(finished):
             if done:  # the row as the caller gave it (its own padding) and what it generated
                 self.done[self.rows[row]] = state.sequences[row, state.added_pad[row] :]
+                self.lengths[self.rows[row]] = self.generated[row]
         return accepted, kept, finished
+
+    def finished_rows(self) -> list[torch.Tensor]:
+        """The rows in the caller's order, each the prompt as given and its new tokens; rows that ran on past
+        `limit` (stopped rows that went on while another row had not stopped yet) cut to it."""
+        rows = [self.done[row] for row in range(len(self.done))]
+        over = [max(0, self.lengths[row] - self.limit) for row in range(len(rows))]
+        self.stats.new_tokens -= sum(over)
+        return [tokens[: tokens.shape[0] - extra] for tokens, extra in zip(rows, over, strict=True)]

@@ -121,7 +121,7 @@ class DecodingLoop:
             setup.streamer.end()
         self.stats = call.stats.finish(call.watch.totals(), *call.alpha.tolist(), started)
         self.stats.verify_costs = measured
-        rows = [call.done[row] for row in range(len(call.done))]  # in the caller's order
+        rows = call.finished_rows()  # in the caller's order
         for part in self.drafters:
             part.end(rows)
         return generate_output(rows, call.state.pad_token_id, call.setup.config, call.scores, call.logits)
