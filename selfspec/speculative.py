@@ -5,6 +5,7 @@ target's adapter, the heads, the drafters (`selfspec.drafters.build`), gamma and
 
 from __future__ import annotations
 
+import copy
 import os
 
 from torch import nn
@@ -37,7 +38,9 @@ class SelfSpeculative(DecodingLoop):
             `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. 0 decodes plainly through
             selfspec's own loop, one full pass per token and no drafts (a baseline for benchmarks).
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads` / `EagleHeads`) trained for this model; None
-            uses the model's own final norm and LM head as the exit head (no training needed).
+            uses the model's own final norm and LM head as the exit head (no training needed). Loaded heads on
+            another device or in another dtype than the model are copied there (`spec.heads`); yours stay as
+            they are, for other wrappers that share them.
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
             chain even when the heads carry a tree. With an EAGLE head, a dynamic tree (EAGLE-2) as a dict
@@ -145,6 +148,11 @@ class SelfSpeculative(DecodingLoop):
         self.packed_weights = self.adapter.packed is not None
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
+        elif heads is not None and any(  # heads given as a module: a copy where they must move, not the caller's
+            p.device != self.adapter.device or (p.is_floating_point() and p.dtype != self.adapter.dtype)
+            for p in heads.parameters()
+        ):
+            heads = copy.deepcopy(heads)
         self.heads = heads
         if heads is not None:
             heads.to(device=self.adapter.device, dtype=self.adapter.dtype)

@@ -418,6 +418,8 @@ def test_settings_errors_name_the_problem():
         SelfSpeculative(model, heads=heads, tree={"budget": 8})
     with pytest.raises(ValueError, match="must be at least 1"):
         SelfSpeculative(model, heads=heads, tree={"nodes": 0})
+    with pytest.raises(ValueError, match=f"top_k 200 exceeds the model's {model.config.vocab_size} tokens"):
+        SelfSpeculative(model, heads=heads, tree={"nodes": 8, "top_k": 200, "depth": 2})
     with pytest.raises(ValueError, match="heads.unroll must be at least 1"):
         HeadsConfig(kind="eagle", unroll=0)
     with pytest.raises(ValueError, match="heads.layout must be one of eagle, eagle3"):

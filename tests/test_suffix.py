@@ -164,6 +164,26 @@ def test_suffix_settings_are_checked():
         SelfSpeculative(tiny_model("llama"), drafter="suffix", exit_layer=2)
 
 
+def test_remembered_token_ids_must_be_the_models():
+    """The cache's drafts are not range-checked each iteration: ids outside the vocabulary are refused where
+    they come in, by `remember` or when a drafter that remembers them wraps a model."""
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="token id -3 is not in the model's vocabulary"):
+        SuffixDrafter().remember([[5, -3]])
+    drafter = SuffixDrafter()
+    drafter.remember([[5, 6, vocab + 4]])  # no model yet: the id may be right for another
+    with pytest.raises(ValueError, match=f"remembers token id {vocab + 4}, but the model has {vocab} tokens"):
+        SelfSpeculative(model, drafter=drafter)
+    drafter.clear_cache()
+    spec = SelfSpeculative(model, drafter=drafter)
+    with pytest.raises(ValueError, match=f"token id {vocab} is not in the model's vocabulary \\({vocab} tokens\\)"):
+        drafter.remember([[5, 6, vocab]])
+    prompt = random_prompt(6)
+    expected = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=10, do_sample=False), expected)
+
+
 def test_bench_keeps_a_prompts_own_earlier_answers_out_of_the_memory():
     from selfspec.measure.bench import OwnAnswers, run_bench
     from selfspec.measure.contenders import generate_contender, selfspec_contender

@@ -12,6 +12,7 @@ from tiny_models import random_prompt, tiny_model
 from transformers import AutoModelForMaskedLM, BertConfig, T5Config, T5ForConditionalGeneration
 
 from selfspec import ExitHeads, GenerationStats, HeadsMismatchError, SelfSpeculative, UnsupportedModelError
+from selfspec.adapter import ModelAdapter
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,22 @@ def test_exit_heads_round_trip_and_stay_exact(model, tmp_path):
     assert not torch.equal(
         SelfSpeculative(model, heads=tmp_path / "heads").heads.heads["2"].up.weight, heads.heads["2"].up.weight
     )
+
+
+def test_heads_that_must_move_are_copied_not_moved_under_another_wrapper(model):
+    """Heads given as a module serve the model's dtype: a bfloat16 copy of the model gets its own copy of them,
+    and the float32 wrapper that shares the caller's heads goes on as before."""
+    import copy
+
+    heads = ExitHeads(ModelAdapter(model).fingerprint(), [1, 2])
+    prompt = random_prompt(8, seed=3)
+    spec = SelfSpeculative(model, heads=heads, exit_layer=2, num_draft_tokens=3)
+    low = SelfSpeculative(copy.deepcopy(model).to(torch.bfloat16), heads=heads, exit_layer=2, num_draft_tokens=3)
+    assert spec.heads is heads and low.heads is not heads
+    assert {p.dtype for p in heads.parameters()} == {torch.float32}
+    assert {p.dtype for p in low.heads.parameters()} == {torch.bfloat16}
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12, do_sample=False), expected)
 
 
 def test_heads_for_another_target_are_refused(model, tmp_path):

@@ -79,6 +79,9 @@ def build_drafters(
             drafters.append(model_drafter(adapter, heads, exit_layer, tree, vocab, confidence))
         else:
             drafters.append(MODEL_FREE[name](**(ngram_options if name == "ngram" else {})))
+    for part in drafters:
+        if isinstance(part, SuffixDrafter):  # its cache may hold answers remembered before it met this model
+            part.bind_vocabulary(adapter.vocab_size)
     if len(drafters) > 1 and any(part.tree is not None for part in drafters):  # one tree of every part's proposals
         return Drafters([MergedTreeDrafter(drafters)])
     return Drafters(drafters)

@@ -96,6 +96,8 @@ class EagleDrafter(Drafter):
             shape = DynamicTree(**tree) if tree else None
         except TypeError as error:
             raise ValueError(f"tree={tree!r}: expected the keys nodes, top_k and depth ({error}).") from error
+        if shape is not None and shape.top_k > adapter.vocab_size:
+            raise ValueError(f"tree={tree!r}: top_k {shape.top_k} exceeds the model's {adapter.vocab_size} tokens.")
         return cls(adapter, heads, vocab, confidence, shape)
 
     @property

@@ -234,6 +234,7 @@ class SuffixDrafter(Drafter):
     """
 
     check_drafts = False
+    vocab_size: int | None = None  # the wrapped model's (`bind_vocabulary`)
 
     def __init__(
         self,
@@ -314,8 +315,25 @@ class SuffixDrafter(Drafter):
         answers = [answer.tolist() if isinstance(answer, torch.Tensor) else answer for answer in answers]
         if any(not isinstance(a, list | tuple) or not all(isinstance(t, int) for t in a) for a in answers):
             raise ValueError("remember() takes a list of answers, each a list (or 1-D tensor) of token ids")
+        wrong = next((t for a in answers for t in a if not 0 <= t < (self.vocab_size or 2**31)), None)
+        if wrong is not None:
+            raise ValueError(f"remember(): token id {wrong} is not in the model's vocabulary ({self._vocabulary()})")
         self._keep(answers)
         return self.cache.tokens
+
+    def bind_vocabulary(self, vocab_size: int) -> None:
+        """The wrapped model has `vocab_size` tokens: answers remembered before must hold only those (drafts from
+        the cache are not range-checked each iteration), and so must answers remembered later."""
+        largest = max((max(sequence) for sequence in self.cache.sequences.values() if sequence), default=-1)
+        if largest >= vocab_size:
+            raise ValueError(
+                f"this SuffixDrafter remembers token id {largest}, but the model has {vocab_size} tokens: answers "
+                "from another tokenizer? clear_cache() and remember() the model's own."
+            )
+        self.vocab_size = vocab_size
+
+    def _vocabulary(self) -> str:
+        return f"{self.vocab_size} tokens" if self.vocab_size else "token ids are non-negative"
 
     def _keep(self, answers) -> None:
         """Cache each non-empty answer that fits the token bound, evicting the least recently used over the bounds."""
