@@ -108,6 +108,26 @@ def test_without_an_eos_a_stopped_row_goes_on_until_every_row_has_stopped(drafte
     assert spec.stats.new_tokens == 2 * (expected.shape[1] - ids.shape[1])
 
 
+def test_a_criterion_that_declares_an_eos_token_pads_the_rows_it_stops():
+    """`generate` pads stopped rows where a stopping criterion has an `eos_token_id`, though the config has none;
+    criteria that would replace generate's own length or end-of-sequence criterion are refused."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    model = tiny_model("llama")  # no end-of-sequence token
+    ids, mask = padded_prompts([4, 7, 5], seed=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    criteria = StoppingCriteriaList([EosTokenCriteria(eos_token_id=37)])
+    expected = model.generate(ids, stopping_criteria=criteria, **kwargs)
+    assert bool((expected[:, ids.shape[1] :] == 37).any()) and bool((expected[:, -1] == PAD).any())  # a row stopped
+    spec = SelfSpeculative(model, exit_layer=2, num_draft_tokens=3)
+    assert torch.equal(spec.generate(ids, stopping_criteria=criteria, **kwargs), expected)
+    with pytest.raises(UnsupportedGenerationArgument, match="would replace generate's own end-of-sequence"):
+        spec.generate(ids, stopping_criteria=criteria, eos_token_id=13, **kwargs)
+    with pytest.raises(UnsupportedGenerationArgument, match="pass max_new_tokens= or max_length= instead"):
+        spec.generate(ids, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(30)]), **kwargs)
+
+
 def test_batch_limits_are_explicit():
     model = tiny_model("llama")
     ids, mask = padded_prompts([3, 5])

@@ -91,7 +91,8 @@ def test_sampling_is_distributed_as_the_target():
     spec = SelfSpeculative(model, heads=heads, num_draft_tokens=2, compile=True)
     counts = sampled_counts(spec, temperature=0.8)
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
-    assert spec.generate(PROMPT, max_new_tokens=4, do_sample=True).shape == (1, PROMPT.shape[1] + 4)
+    out = spec.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, do_sample=True)
+    assert out.shape == (1, PROMPT.shape[1] + 4)
 
 
 class LastLayerDrafter(Drafter):

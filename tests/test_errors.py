@@ -18,17 +18,30 @@ def test_float_token_ids_are_refused_by_name():
         spec.generate(random_prompt(5).float(), max_new_tokens=4)
 
 
-def test_a_padded_batch_without_its_mask_is_refused_and_an_unpadded_one_runs():
-    model = tiny_model("llama")
+def test_pad_tokens_without_a_mask_are_masked_as_generate_masks_them():
+    """Without `attention_mask`, `generate` masks the prompts' pad tokens (where the pad token is not the EOS token):
+    left padding then generates as `generate` does, alone and in a batch; a pad token after the text is refused."""
+    model = tiny_model("llama")  # pad token 0, no EOS token
     spec = SelfSpeculative(model, drafter="ngram")
     padded = torch.cat(
         [random_prompt(6, seed=1), torch.cat([torch.zeros(1, 2, dtype=torch.long), random_prompt(4)], 1)]
     )
-    with pytest.raises(ValueError, match=r"without attention_mask, and row\(s\) \[1\] start with the pad token 0"):
-        spec.generate(padded, max_new_tokens=4)
-    unpadded = torch.cat([random_prompt(6, seed=1), random_prompt(6, seed=2)])  # no row starts with the pad token
-    expected = model.generate(unpadded, attention_mask=torch.ones_like(unpadded), max_new_tokens=8, do_sample=False)
-    assert torch.equal(spec.generate(unpadded, max_new_tokens=8, do_sample=False), expected)
+    for prompts in (padded, padded[1:], torch.cat([random_prompt(6, seed=1), random_prompt(6, seed=2)])):
+        expected = model.generate(prompts, max_new_tokens=8, do_sample=False)
+        assert torch.equal(spec.generate(prompts, max_new_tokens=8, do_sample=False), expected)
+    inside = random_prompt(6, seed=1)
+    inside[0, 3] = 0
+    with pytest.raises(ValueError, match="holds the pad token 0 after its text, and no attention_mask was given"):
+        spec.generate(inside, max_new_tokens=4)
+
+
+def test_without_a_length_the_default_stops_at_the_models_last_position():
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 64
+    prompt = random_prompt(55)
+    expected = model.generate(prompt, do_sample=False)  # 20 new tokens by default, but only up to position 64
+    assert expected.shape == (1, 64)
+    assert torch.equal(SelfSpeculative(model, drafter="ngram").generate(prompt, do_sample=False), expected)
 
 
 def test_a_model_folder_given_as_heads_is_named(tmp_path):

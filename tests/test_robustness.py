@@ -479,6 +479,14 @@ def test_more_unsupported_arguments_raise_naming_them(specs, kwargs, named):
         specs["early_exit"].generate(random_prompt(4), **kwargs)
 
 
+def test_off_values_pass_and_embeddings_alone_are_named(model, specs):
+    prompt = random_prompt(4)
+    expected = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(specs["early_exit"].generate(prompt, max_new_tokens=5, synced_gpus=False), expected)
+    with pytest.raises(UnsupportedGenerationArgument, match="`inputs_embeds` is not supported"):
+        specs["early_exit"].generate(inputs_embeds=torch.zeros(1, 4, model.config.hidden_size), max_new_tokens=5)
+
+
 def test_unsupported_default_in_the_models_generation_config_raises():
     model = tiny_model("llama", seed=2)
     model.generation_config.num_beams = 2  # merged into every call, as model.generate merges it

@@ -81,7 +81,14 @@ def sampled_counts(spec: SelfSpeculative, seed: int = 0, rows: int = 1, **proces
     for _ in range(SAMPLES // rows):
         # two tokens more than the law covers, so that one iteration after the prefill can draft gamma = 2
         # (or a tree of depth 2) into the three tokens checked; the law of a prefix does not depend on them
-        out = spec.generate(PROMPT.expand(rows, -1), max_new_tokens=NEW_TOKENS + 2, do_sample=True, **processing)
+        prompts = PROMPT.expand(rows, -1)  # its last token is the pad token: text here, as in `exact_law`
+        out = spec.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=NEW_TOKENS + 2,
+            do_sample=True,
+            **processing,
+        )
         for t1, t2, t3 in out[:, PROMPT.shape[1] : PROMPT.shape[1] + NEW_TOKENS].tolist():
             counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
         accepted, proposed = accepted + spec.stats.accepted, proposed + spec.stats.proposed
@@ -238,5 +245,5 @@ def test_same_seed_same_sample(model):
     outputs = []
     for _ in range(2):
         torch.manual_seed(1234)
-        outputs.append(spec.generate(PROMPT, max_new_tokens=20, do_sample=True))
+        outputs.append(spec.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=20, do_sample=True))
     assert torch.equal(outputs[0], outputs[1])

@@ -9,7 +9,7 @@ from functools import cached_property
 import torch
 
 from .adaptive import DraftController, TreeController
-from .generation import GenerationSetup, process_scores, row_wise, stopping_point
+from .generation import GenerationSetup, pads_stopped_rows, process_scores, row_wise, stopping_point
 from .state import DecodeState
 from .stats import GenerationStats, Stopwatch
 
@@ -37,7 +37,8 @@ class Call:
     scores: list[torch.Tensor] = field(default_factory=list)  # processed scores of committed tokens (batch 1)
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits of committed tokens (batch 1)
     greedy_drafting: int = 0  # greedy iterations that verified drafts, for `alpha_due`
-    # without an end-of-sequence token, `generate` keeps a row that a stopping criterion stopped going (unpadded)
+    # without an end-of-sequence token (`pads_stopped_rows`), `generate` keeps a row that a stopping criterion stopped
+    # going (unpadded)
     # until every row has stopped: caller's row -> its new tokens when a criterion first fired; then every row
     # has as many new tokens as the last row to stop (`limit`)
     stopped: dict[int, int] = field(default_factory=dict)
@@ -141,6 +142,7 @@ class Call:
         setup, state = self.setup, self.state
         rows = torch.cat([num_accepted[:, None], committed], dim=1).tolist()  # [batch, 1 + W] -> lists
         accepted, kept, stops, ends = [], [], [], []
+        padded = pads_stopped_rows(setup)
         for row, (num, *tokens) in enumerate(rows):
             count = num + 1
             eos = next((i + 1 for i, token in enumerate(tokens[:count]) if token in setup.eos_token_ids), None)
@@ -149,7 +151,7 @@ class Call:
             if setup.stopping_criteria:
                 prefix = state.sequences[row : row + 1, state.added_pad[row] :]
                 stop = stopping_point(setup, prefix, committed[row, :keep], scores[row])
-            if stop is not None and not setup.eos_token_ids:  # the row goes on, as in `generate`
+            if stop is not None and not padded:  # the row goes on, as in `generate`
                 self.stopped.setdefault(self.rows[row], self.generated[row] + stop)
                 stop = None
             accepted.append(num)

@@ -22,7 +22,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 # processors that read each row's scores alone, never the input ids and never in place (exactly these classes, not
@@ -109,7 +114,7 @@ def prepare_generation(
 ) -> GenerationSetup:
     """Merge and check `generate`'s arguments for `model` (the unwrapped transformers model)."""
     for name, why in _REJECTED_CALL_ARGUMENTS.items():
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and not (name == "synced_gpus" and kwargs[name] is False):  # False: off
             raise UnsupportedGenerationArgument(f"`{name}` is not supported by selfspec: {why}.")
         kwargs.pop(name, None)
     call = {name: kwargs.pop(name) for name in list(kwargs) if name in _CALL_ARGUMENTS}
@@ -135,6 +140,9 @@ def prepare_generation(
         max_new_tokens = config.max_new_tokens
     else:
         max_length = config.max_length + (prompt_length if has_default_max_length else 0)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if has_default_max_length and positions is not None:  # as generate: the default stops at the model's end
+            max_length = min(max_length, positions)
         max_new_tokens = max_length - prompt_length
     if max_new_tokens < 1:
         raise ValueError(
@@ -146,6 +154,17 @@ def prepare_generation(
     attention_mask = call.get("attention_mask")
     model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
     config.max_length = prompt_length + max_new_tokens  # what processors such as forced_eos read
+    if attention_mask is None:  # as generate: the pad tokens in the prompts are masked (unless pad is EOS)
+        inferred = model._prepare_attention_mask_for_generation(input_ids, config, {})
+        if not bool(inferred.all()):
+            if bool((inferred[:, :-1] > inferred[:, 1:]).any()):
+                raise ValueError(
+                    f"A prompt holds the pad token {int(config._pad_token_tensor)} after its text, and no "
+                    "attention_mask was given: model.generate would mask it there, and selfspec supports left "
+                    "padding only. Pass the attention_mask the tokenizer returned, or remove the pad tokens."
+                )
+            attention_mask = inferred
+    check_stopping_criteria(call.get("stopping_criteria"), config)
 
     allowed = call.get("prefix_allowed_tokens_fn")
 
@@ -189,6 +208,28 @@ def prepare_generation(
         attention_mask=attention_mask,
         streamer=call.get("streamer"),
     )
+
+
+def check_stopping_criteria(criteria, config: GenerationConfig) -> None:
+    """Refuse the stopping criteria that `model.generate` would put in place of its own (the same types): a
+    length criterion always, an end-of-sequence one where the config has an end-of-sequence token."""
+    for criterion in criteria or []:
+        if isinstance(criterion, MaxLengthCriteria):
+            raise UnsupportedGenerationArgument(
+                "A MaxLengthCriteria in stopping_criteria would replace generate's own length limit: pass "
+                "max_new_tokens= or max_length= instead."
+            )
+        if isinstance(criterion, EosTokenCriteria) and config._eos_token_tensor is not None:
+            raise UnsupportedGenerationArgument(
+                "An EosTokenCriteria in stopping_criteria would replace generate's own end-of-sequence criterion "
+                "(the config's eos_token_id): pass eos_token_id= instead."
+            )
+
+
+def pads_stopped_rows(setup: GenerationSetup) -> bool:
+    """Whether `model.generate` pads a row once it stops: where there is an end-of-sequence token, or a stopping
+    criterion that declares one (`eos_token_id`); else a stopped row goes on until every row has stopped."""
+    return bool(setup.eos_token_ids) or any(hasattr(c, "eos_token_id") for c in setup.stopping_criteria)
 
 
 def shifted_batch_id(allowed, first: int, batch_id: int, input_ids: torch.Tensor):

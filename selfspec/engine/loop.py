@@ -59,6 +59,8 @@ class DecodingLoop:
         """Generate as `model.generate` does, with the same arguments and the same return type. A batch
         of prompts is left-padded with an `attention_mask`, as `model.generate` takes it."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if input_ids is None and kwargs.get("inputs_embeds") is not None:
+            raise UnsupportedGenerationArgument("`inputs_embeds` is not supported by selfspec: pass `input_ids`.")
         if input_ids is None:
             raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
         if not isinstance(input_ids, torch.Tensor):  # text, or a list of ids: model.generate takes neither
@@ -250,18 +252,8 @@ class DecodingLoop:
         return min(spans, default=call.remaining + 1)
 
     def _check_batch(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
-        """A batch: what runs one prompt at a time is refused, and a batch without `attention_mask` is taken as
-        unpadded only where no row starts with the pad token (else its padding would be read as text)."""
-        pad = setup.pad_token_id
-        bos = setup.config.bos_token_id  # a pad token that is also the BOS token tells nothing: every row starts so
-        padded = pad is not None and pad != bos and bool((input_ids[:, 0] == pad).any())
-        if setup.attention_mask is None and padded:
-            rows = (input_ids[:, 0] == pad).nonzero()[:, 0].tolist()
-            raise ValueError(
-                f"A batch of {input_ids.shape[0]} prompts without attention_mask, and row(s) {rows} start with the pad "
-                f"token {pad}: left padding would be read as text. Pass the attention_mask the tokenizer returned "
-                "(spec.generate(**tokenizer(prompts, padding=True, return_tensors='pt'), ...), padding_side='left')."
-            )
+        """A batch: what runs one prompt at a time is refused. (Without `attention_mask`, the pad tokens are
+        masked as `generate` masks them: `prepare_generation`.)"""
         if setup.streamer is not None:
             raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
         if setup.config.output_scores or setup.config.output_logits:
