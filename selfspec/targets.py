@@ -23,6 +23,7 @@ carries that name as `config.name_or_path`, which is what heads record about the
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,8 +128,8 @@ def as_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16) or 'auto'")
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype (float32, bfloat16, float16) or 'auto'")
     return value
 
 
@@ -165,6 +166,22 @@ def _dequantized_gguf():
     return config(dequantize=True) if config is not None else None
 
 
+def check_model_folder(path: Path) -> None:
+    """ValueError where `path` is a folder that holds no model: no config.json, or a selfspec heads folder's."""
+    if not path.is_dir():
+        return
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{path} has no config.json: it is not a model folder")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it
+    if isinstance(config, dict) and "kind" in config and "target" in config and "model_type" not in config:
+        raise ValueError(f"{path} is a selfspec heads folder ({config['kind']} heads), not a model: pass it as the "
+                         "heads, and the model it was trained for as the model")  # fmt: skip
+
+
 def load_model(
     name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None, **kwargs
 ) -> tuple[torch.nn.Module, object]:
@@ -174,14 +191,16 @@ def load_model(
 
     if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
         return load_known_target(name_or_path, dtype, device, **kwargs)
+    check_model_folder(Path(name_or_path))
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=as_dtype(dtype), **kwargs)
     except OSError as error:
         if Path(name_or_path).exists():
             raise
+        where = "" if Path(name_or_path).is_absolute() else f" under the current folder {Path.cwd()}"
         raise OSError(
-            f"{str(name_or_path)!r} is neither a known target ({', '.join(KNOWN_TARGETS)}), nor a model folder, "
-            f"nor a hub model reachable from here: {error}"
+            f"{str(name_or_path)!r} is neither a known target ({', '.join(KNOWN_TARGETS)}), nor a model folder"
+            f"{where}, nor a hub model reachable from here: {error}"
         ) from error
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if device is not None:

@@ -148,6 +148,19 @@ def test_prompt_files_are_checked(tmp_path):
     (tmp_path / "p.txt").write_text("x")
     with pytest.raises(ValueError, match=r"\.json list or a \.jsonl file"):
         load_prompts(tmp_path / "p.txt")
+    for text, problem in [
+        ('"def f(x):"', "holds a list, got a JSON str"),  # its characters were the prompts
+        ('{"a": 1, "b": 2}', "holds a list, got a JSON dict"),  # its keys were
+        ("[1, 2]", "item 1 has no prompt"),
+        ('["a", ', "is not valid JSON"),
+        ("", "holds no prompts"),
+    ]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            load_prompts(tmp_path / "bad.json")
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        load_prompts(tmp_path / "folder.json")
 
 
 def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
@@ -204,6 +217,8 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     result = json.loads((tmp_path / "c" / "bench.json").read_text())
     assert [row["contender"] for row in result["results"]] == ["generate", "selfspec exit 1 untrained"]
 
+    (tmp_path / "exit" / "notes.txt").write_text("mine")  # tune writes its defaults and leaves the rest alone
+    weights = (tmp_path / "exit" / "model.safetensors").read_bytes()
     assert (
         main(["tune", *common, "--num_prompts", "1", "--timing_repeats", "2", "--max_gamma", "3", "--measure_grid"])
         == 0
@@ -211,6 +226,8 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "choice: " in out and "measured: the choice" in out
     assert json.loads((tmp_path / "exit" / "config.json").read_text())["num_draft_tokens"] in (1, 2, 3)
+    assert (tmp_path / "exit" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "exit" / "model.safetensors").read_bytes() == weights
     assert "## Tuned defaults" in (tmp_path / "medusa" / "README.md").read_text()
 
     chat = tmp_path / "chat.jsonl"
@@ -219,6 +236,17 @@ def test_demo_and_bench_commands_on_a_saved_model(model, tmp_path, capsys):
     memory = ["--suffix_memory", str(chat), "--only", "suffix", "--no_sampling", "--output", str(tmp_path / "d")]
     with pytest.raises(SystemExit, match="--suffix_memory: .* needs a tokenizer with a chat template"):
         main(["bench", *common, "--repeats", "1", *memory])
+    with pytest.raises(SystemExit, match="--workload repeated asks a chat model .* no chat template"):
+        main(["bench", *common, "--workload", "repeated"])
+    with pytest.raises(SystemExit, match=r"--untrained_exit_layer 4: .* \(it has 4: 1 to 3\)"):
+        main(["bench", *common, "--untrained_exit_layer", "4"])
+    with pytest.raises(SystemExit, match="--assistant_exit_layers 7: an exit must come before"):
+        main(["bench", *common, "--assistant_exit_layers", "2,7"])
+    (tmp_path / "long.json").write_text(json.dumps(["t1", " ".join(["t2"] * model.config.max_position_embeddings)]))
+    with pytest.raises(SystemExit, match=r"prompt 2 \(\d+ tokens\) plus --max_new_tokens 10 exceeds"):
+        main(["bench", *common, "--prompts", str(tmp_path / "long.json")])
+    with pytest.raises(SystemExit, match="--only is an option of the Spec-Bench runs; --batch_sizes takes none"):
+        main(["bench", *common, "--batch_sizes", "1", "--only", "exit"])
     with pytest.raises(SystemExit, match="--suffix_memory_tokens limits --suffix_memory"):
         main(["bench", *common, "--suffix_memory_tokens", "10"])
     with pytest.raises(SystemExit, match="not to --batch_sizes"):

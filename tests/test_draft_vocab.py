@@ -54,6 +54,8 @@ def test_draft_vocabulary_errors():
         SelfSpeculative(model, draft_vocab=[1, 96])
     with pytest.raises(ValueError, match="token ids from 0 to 95"):
         SelfSpeculative(model, draft_vocab=[])
+    with pytest.raises(ValueError, match=r"lists a negative token id \(-5\): token ids run from 0"):
+        SelfSpeculative(model, draft_vocab=[0, -5, 3])  # not "made for another target"
     with pytest.raises(ValueError, match="apply to the shared LM head; these Medusa heads have their own"):
         SelfSpeculative(model, heads=medusa_heads(model, own_lm_head=True), draft_vocab=[1, 2])
 

@@ -327,9 +327,9 @@ def test_export_command_overwrites_atomically(model, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "load_cli_model", lambda name, dtype: (model, None))
     monkeypatch.setattr(selfspec.heads, "load_heads", lambda path, adapter: heads)
     command = ["export", "--model", "m", "--heads", "h", "--format", "eagle3", "--output", str(tmp_path / "out")]
-    for vocab in ([1, 2, 3], [4, 5]):
+    for vocab, replace in (([1, 2, 3], []), ([4, 5], ["--overwrite"])):  # the second replaces the first's folder
         (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-        assert main([*command, "--draft_vocab", str(tmp_path / "vocab.json")]) == 0
+        assert main([*command, "--draft_vocab", str(tmp_path / "vocab.json"), *replace]) == 0
     assert load_file(tmp_path / "out/model.safetensors")["d2t"].tolist() == [4, 4]
     with pytest.raises(SystemExit, match="selfspec export: format 'eagle' needs an EAGLE head of layout 'eagle'"):
         main([*command[:5], "--format", "eagle", "--engine", "vllm", "--output", str(tmp_path / "eagle1")])

@@ -495,7 +495,7 @@ def test_an_existing_heads_folder_is_replaced_only_with_overwrite(world, monkeyp
     heads_dir.mkdir(parents=True)
     (heads_dir / "config.json").write_text('{"kind": "exit"}')  # stands for shipped heads
     for arguments in ((), ("--resume",)):  # resuming a run that has no checkpoint replaces nothing either
-        with pytest.raises(FileExistsError, match=f"heads_dir {heads_dir} already exists.*pass --overwrite"):
+        with pytest.raises(SystemExit, match=f"heads_dir {heads_dir} already exists.*pass --overwrite"):
             train_in_process(config, *arguments)
     assert not (world["root"] / "existing" / "run").exists()  # refused before any work
     assert (heads_dir / "config.json").read_text() == '{"kind": "exit"}'

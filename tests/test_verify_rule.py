@@ -140,6 +140,18 @@ def test_sampled_two_drafts_follow_the_joint_target_law():
     torch.testing.assert_close(torch.bincount(bonus, minlength=4).double() / len(bonus), p3, atol=0.02, rtol=0)
 
 
+def test_no_drafts_draw_the_next_token_from_p():
+    """gamma = 0: nothing to test, the token comes from p_1 itself."""
+    p = dist(0.1, 0.0, 0.6, 0.3)
+    torch.manual_seed(0)
+    verdict = accept_sampling(
+        p.float().expand(ROWS, 1, -1).contiguous(), torch.zeros(ROWS, 0, 4), torch.zeros(ROWS, 0, dtype=torch.long)
+    )
+    assert bool((verdict.num_accepted == 0).all())
+    empirical = torch.bincount(verdict.next_token, minlength=4).double() / ROWS
+    torch.testing.assert_close(empirical, p, atol=0.006, rtol=0)
+
+
 def test_a_rule_without_residual_fails_the_same_check(monkeypatch):
     """Resampling from p after a rejection (no residual) is biased; the check above must see it."""
     p, q = CASES["generic"]

@@ -13,6 +13,7 @@ with `output_dir` and `train.keep_checkpoints` (checkpoints).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -20,8 +21,9 @@ import re
 import shlex
 import shutil
 import sys
+import typing
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -59,10 +61,47 @@ def parse_config(
     """(the script's flags, its config): the defaults of `config_type`, then the `--config` file, then the
     overrides. `shorthands` map a flag to the dotted key it sets (`{"report_to": "logging.report_to"}`)."""
     args, overrides = parser.parse_known_args(argv)
+    check_overrides(parser, config_type, overrides)
     for flag, key in (shorthands or {}).items():
         if getattr(args, flag) is not None:
             overrides += [f"--{key}", getattr(args, flag)]
     return args, load_config(config_type, args.config, overrides)
+
+
+def check_overrides(parser: argparse.ArgumentParser, config_type: type, overrides: list[str]) -> None:
+    """What argparse left for the config: `--section.key value` pairs (or `--section.key=value`). A misspelled flag
+    lands here too, and would take the next argument as its value: SystemExit naming it, with the closest flag
+    or config key."""
+    keys, open_keys = dotted_keys(config_type)
+    keys, open_keys = [f"--{key}" for key in keys], [f"--{key}." for key in open_keys]
+    flags = [option for action in parser._actions for option in action.option_strings]
+    for index, arg in enumerate(overrides):
+        if not arg.startswith("--") or "=" in arg or (index > 0 and overrides[index - 1].startswith("--")):
+            continue  # a value, a key=value, or the value of the key before
+        following = overrides[index + 1] if index + 1 < len(overrides) else None
+        if arg not in keys and not arg.startswith(tuple(open_keys)):
+            close = difflib.get_close_matches(arg, flags + keys, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SystemExit(f"{parser.prog}: unknown option {arg}{hint}; config keys are overridden with "
+                             "--section.key VALUE")  # fmt: skip
+        if following is None or following.startswith("--"):
+            raise SystemExit(f"{parser.prog}: {arg} needs a value (--section.key VALUE)")
+
+
+def dotted_keys(config_type: type, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(every key of a config dataclass, dotted ("train.lr"), its sections included; the keys that hold a mapping,
+    under which any key may follow)."""
+    keys, open_keys = [], []
+    hints = typing.get_type_hints(config_type)
+    for item in fields(config_type):
+        key, kind = prefix + item.name, hints[item.name]
+        keys.append(key)
+        if is_dataclass(kind):
+            more, more_open = dotted_keys(kind, key + ".")
+            keys, open_keys = keys + more, open_keys + more_open
+        elif any(dict in (typing.get_origin(option), option) for option in (kind, *typing.get_args(kind))):
+            open_keys.append(key)
+    return keys, open_keys
 
 
 # Progress ----------------------------------------------------------------------------------------

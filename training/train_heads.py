@@ -473,6 +473,10 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
     their tuned defaults and card are not in the run) unless --overwrite asks for it. A resumed run may
     replace it: it started while the folder was absent, or with --overwrite."""
     heads_dir = Path(config.heads_dir)
+    for option, folder in (("heads_dir", heads_dir), ("output_dir", Path(config.output_dir))):
+        existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{option} {folder}: {existing} is a file, where the run writes a folder")
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
         return
     if resume and complete_checkpoints(Path(config.output_dir) / "checkpoints"):
@@ -484,8 +488,11 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, config = parse_args(argv)
-    check_heads_dir(config, args.resume, args.overwrite)
+    try:  # a config file, key or value, or a folder that cannot be used: the message names it, before any work
+        args, config = parse_args(argv)
+        check_heads_dir(config, args.resume, args.overwrite)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"train_heads.py: {error}") from error
     Run(config, resume=args.resume).train()
 
 

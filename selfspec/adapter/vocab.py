@@ -58,7 +58,9 @@ class DraftVocabulary:
             if ids.numel() == 0:
                 raise ValueError(f"draft_vocab must list token ids from 0 to {vocab_size - 1} (got none); None drafts "
                                  "from the whole vocabulary")  # fmt: skip
-            if ids[0] < 0 or ids[-1] >= vocab_size:
+            if ids[0] < 0:
+                raise ValueError(f"draft_vocab lists a negative token id ({int(ids[0])}): token ids run from 0")
+            if ids[-1] >= vocab_size:
                 raise ValueError(
                     f"draft_vocab lists ids from {int(ids[0])} to {int(ids[-1])}, and this model takes token ids "
                     f"from 0 to {vocab_size - 1}: it was made for another target (make one for this model with "

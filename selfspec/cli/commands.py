@@ -35,7 +35,7 @@ from ..measure.contenders import (
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
-from .options import BUNDLED, check_plotting, encode, load_target
+from .options import BUNDLED, check_plotting, encode, load_target, output_folder
 
 
 def merged_shapes(text: str, option: str = "--merged_trees") -> list[tuple[dict, int]]:
@@ -69,9 +69,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if variants and (args.batch_sizes or args.workload == "repeated"):
         raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to "
                          f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'}")  # fmt: skip
-    if not args.batch_sizes:
+    if args.batch_sizes:
+        check_batch_options(args)
+    else:
         check_plotting()
+    if args.assistant_exit_layers and args.no_transformers:
+        raise SystemExit("--assistant_exit_layers sets transformers' early-exit contenders, which --no_transformers "
+                         "leaves out")  # fmt: skip
+    output = output_folder(args.output)
     model, tokenizer, heads, prompts, vocab = load_target(args, with_prompts=args.workload == "prompts")
+    check_exit_layers(args, model)
     if args.workload == "repeated":
         return run_repeated_workload(args, model, tokenizer, heads, vocab)
     if args.limit_per_category is not None:
@@ -81,9 +88,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise SystemExit(f"--limit_per_category: {error}") from error
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
+    check_prompt_lengths(inputs, args.max_new_tokens, model)
     if args.batch_sizes:
         return run_batch_bench(args, model, heads, inputs, vocab)
-    layers = [int(x) for x in args.assistant_exit_layers.split(",")] if args.assistant_exit_layers else None
+    layers = args.assistant_exit_layers
     contenders = standard_contenders(
         model,
         heads.get(ExitHeads),
@@ -128,8 +136,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if not by_category and any(row.get("proposed_per_position") for row in rows):
         table += "\n\n" + position_table(rows)
     print(table)
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
+    if (output / "bench.json").exists():
+        print(f"{output}: replacing an earlier run's results (--output names another folder)")
     meta = {
         "command": "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else None,
         "model": str(args.model or BUNDLED),
@@ -160,6 +168,43 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(f"GREEDY OUTPUT DIFFERS from model.generate: {', '.join(mismatched)}", file=sys.stderr)
         return 1
     return 0
+
+
+# the Spec-Bench runs' options that --batch_sizes does not take (it has no contenders to choose, nor categories)
+BATCH_OPTIONS = ("only", "chains", "merged_trees", "compile", "assistant_exit_layers", "untrained_exit_layer",
+                 "limit_per_category")  # fmt: skip
+
+
+def check_batch_options(args: argparse.Namespace) -> None:
+    """--batch_sizes measures one chain drafter over the prompts: options of the Spec-Bench runs are refused."""
+    given = [name for name in BATCH_OPTIONS if getattr(args, name) not in (None, False)]
+    if given:
+        raise SystemExit(f"--{given[0]} is an option of the Spec-Bench runs; --batch_sizes takes none of "
+                         f"{', '.join('--' + name for name in BATCH_OPTIONS)}")  # fmt: skip
+    if args.workload == "repeated":
+        raise SystemExit("--batch_sizes and --workload repeated are separate runs: pass one of them")
+
+
+def check_exit_layers(args: argparse.Namespace, model) -> None:
+    """--untrained_exit_layer and --assistant_exit_layers name layers below the model's last one."""
+    layers = model.config.get_text_config().num_hidden_layers
+    asked = [("--untrained_exit_layer", args.untrained_exit_layer)]
+    asked += [("--assistant_exit_layers", layer) for layer in args.assistant_exit_layers or []]
+    for option, layer in asked:
+        if layer is not None and layer >= layers:
+            raise SystemExit(f"{option} {layer}: an exit must come before the model's last layer (it has {layers}: "
+                             f"1 to {layers - 1})")  # fmt: skip
+
+
+def check_prompt_lengths(inputs: list, max_new_tokens: int, model) -> None:
+    """Every prompt and its new tokens fit the model's positions: checked before any run, naming the prompt."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    for number, ids in enumerate(inputs, 1):
+        if limit is not None and ids.shape[1] + max_new_tokens > limit:
+            raise SystemExit(
+                f"prompt {number} ({ids.shape[1]} tokens) plus --max_new_tokens {max_new_tokens} exceeds the "
+                f"model's {limit} positions: shorten it or lower --max_new_tokens"
+            )
 
 
 def only_kept(args: argparse.Namespace, contenders: list, labels: list[str] = ("",)) -> list:
@@ -223,6 +268,9 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     """`selfspec bench --workload repeated` (`selfspec.workload`): warm-up calls, then the timed prompts by kind."""
     from ..measure.workload import repeated_contenders, revision_prompts, same_task_prompts, warm_up
 
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("--workload repeated asks a chat model its tasks, and this tokenizer has no chat template "
+                         "(a base model?): pass a chat model's --model")  # fmt: skip
     warm, timed = same_task_prompts(tokenizer, args.warmup)
 
     def answer(text: str) -> str:
@@ -244,7 +292,6 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     table = category_report(by_category, prompts)
     print(table)
     output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
     (output / "bench_repeated.md").write_text(table + "\n", encoding="utf-8")
     flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
     meta = {"workload": "repeated", "warmup": len(warm), "prompts": len(prompts), "dtype": str(model.dtype),
@@ -263,17 +310,18 @@ def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab)
     """`selfspec bench --batch_sizes`: batched model.generate against selfspec's best chain drafter, adaptive."""
     from ..measure.bench import batch_table, batch_throughput
 
-    medusa, exit_heads = heads.get(MedusaHeads), heads.get(ExitHeads)
+    medusa, eagle, exit_heads = heads.get(MedusaHeads), heads.get(EagleHeads), heads.get(ExitHeads)
     if medusa is not None:
         spec, label = SelfSpeculative(model, heads=medusa, tree=[], draft_vocab=vocab), "Medusa chain"
+    elif eagle is not None:
+        spec, label = SelfSpeculative(model, heads=eagle, draft_vocab=vocab), "EAGLE chain"
     else:
-        spec, label = SelfSpeculative(model, heads=exit_heads, draft_vocab=vocab), "exit layer"
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    rows = batch_throughput(spec, inputs, sizes, args.max_new_tokens, repeats=args.repeats)
+        name = "exit layer" if exit_heads is not None else "untrained exit layer (no heads given)"
+        spec, label = SelfSpeculative(model, heads=exit_heads, draft_vocab=vocab), name
+    rows = batch_throughput(spec, inputs, args.batch_sizes, args.max_new_tokens, repeats=args.repeats)
     table = batch_table(rows)
     print(f"selfspec: {label}{', draft vocabulary ' + str(len(vocab)) if vocab else ''}, adaptive gamma\n{table}")
     output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
     (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
     write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
     return 0 if all(row["matched"] for row in rows) else 1
@@ -287,7 +335,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     if not heads:
         raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
-    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(","))
+    batch_sizes = tuple(args.batch_sizes)
     paths = args.heads or default_heads(args.model or DEFAULT_TARGET)
     for path, draft_heads in zip(paths, heads.values(), strict=True):
         choices, position_cost = tune(model, draft_heads, inputs, args.max_new_tokens, args.max_gamma, args.do_sample,
@@ -317,7 +365,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
             card_path = Path(path) / CARD_NAME
             card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
             command = "selfspec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("selfspec") else "selfspec tune"
-            draft_heads.save_pretrained(path, card=tuned_card(card, table, best, command))
+            draft_heads.save_defaults(path, card=tuned_card(card, table, best, command))  # the weights as they are
             print(f"wrote the defaults into {Path(path) / 'config.json'}")
     return 0
 

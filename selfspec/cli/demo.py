@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
@@ -39,6 +38,7 @@ from .options import (
     default_dtype,
     encode,
     load_target,
+    output_folder,
     resolve_dtype,
 )
 
@@ -224,6 +224,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..measure.profile import format_table, plot_alpha
 
     check_plotting()
+    output_folder(args.output, make=False)  # written only with exit heads (the demo target's plot)
     resolve_dtype(args)
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
@@ -244,8 +245,7 @@ def run_demo(args: argparse.Namespace) -> int:
     report, failures = greedy_check(contenders, model.dtype)
     print("\n" + "\n".join(report))
     if ExitHeads in heads:
-        output_dir = Path(args.output)
-        output_dir.mkdir(parents=True, exist_ok=True)
+        output_dir = output_folder(args.output)
         depth_rows = alpha_by_depth(model, heads[ExitHeads], outputs)
         print("\nalpha per exit depth on these prompts and completions:\n" + format_table(depth_rows))
         print(DEPTH_LEGEND)

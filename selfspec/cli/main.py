@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -53,9 +54,13 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..measure.profile import configure_wandb, format_table, plot_alpha, profile_heads, wandb_objects
     from ..training.config import DataConfig, EvalConfig
     from ..training.data import load_rows, row_tensors
-    from .options import check_plotting, set_threads, target_path
+    from .options import check_plotting, output_folder, set_threads, target_path
 
     check_plotting()
+    if args.heads and args.exit_layers:
+        raise SystemExit("selfspec profile: --exit_layers profiles untrained exits; trained --heads have their own "
+                         "layers: pass one of them")  # fmt: skip
+    output = output_folder(args.output)
     set_threads(args.num_threads)
     path = target_path(args.model)
     bundled = path == BUNDLED  # the demo target, by default or by name: its exit heads and held-out files
@@ -69,11 +74,15 @@ def run_profile(args: argparse.Namespace) -> int:
     if heads_path:
         heads, trained = load_heads(heads_path, adapter), True
     else:
-        layers = [int(x) for x in args.exit_layers.split(",")] if args.exit_layers else None
-        heads, trained = ExitHeads(adapter.fingerprint(), layers or default_exit_layers(adapter.num_layers)), False
+        layers = args.exit_layers or default_exit_layers(adapter.num_layers)
+        heads, trained = ExitHeads(adapter.fingerprint(), layers), False
     heads.to(device=adapter.device, dtype=adapter.dtype)
-    data = DataConfig(source=source, text_field=args.text_field, seq_len=args.seq_len)
-    heldout = load_rows(data, tokenizer, split=False).heldout
+    data = DataConfig(source=source, text_field=args.text_field, seq_len=args.seq_len, bad_rows=args.bad_rows)
+    try:
+        heldout = load_rows(data, tokenizer, split=False).heldout
+    except ValueError as error:  # the data's own errors name the config key; here it is an option
+        message = str(error).replace("set data.bad_rows: skip", "pass --bad_rows skip")
+        raise SystemExit(f"selfspec profile: {message}") from error
     rows_tensor, masks = row_tensors(heldout, range(min(args.max_rows, len(heldout))))  # masks: a chat's answers
     config = EvalConfig(
         max_rows=args.max_rows,
@@ -91,8 +100,6 @@ def run_profile(args: argparse.Namespace) -> int:
     where = args.data or "the demo target's held-out files"
     print(f"{path}: {rows_tensor.shape[0]} rows of {args.seq_len} tokens from {where}")
     print(format_table(rows))
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
     plot_alpha(rows, output / "alpha_by_depth.png", f"{Path(path).name}: acceptance rate per draft depth")
     print(f"plot: {output / 'alpha_by_depth.png'}")
     if args.report_to == "wandb":
@@ -128,6 +135,11 @@ def run_export(args: argparse.Namespace) -> int:
                  if value is not None and name not in EXPORT_OPTIONS[args.format]]  # fmt: skip
     if problems:
         raise SystemExit(f"selfspec export: --format {args.format} {' and '.join(problems)}")
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
+        what = "is a file" if not output.is_dir() else "is a folder with files in it"
+        raise SystemExit(f"selfspec export: --output {output} {what}; the export replaces it whole: pass "
+                         "--overwrite, or name a new folder")  # fmt: skip
     model, tokenizer = load_cli_model(args.model, args.dtype)
     try:  # what the engines cannot load as the head drafts (wrong layout, family, missing --engine) is refused
         if args.format == "hf":
@@ -142,6 +154,8 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"{written.get(args.format, f'{args.format} checkpoint for {engines}')}: {args.output}")
     return 0
 
+
+TRACEBACK_VARIABLE = "SELFSPEC_TRACEBACK"  # set: a command's errors keep their traceback
 
 # modules the commands import beyond the inference install -> the extra that installs them
 EXTRAS = {"matplotlib": "demo", "tqdm": "demo", "yaml": "demo", "datasets": "train", "wandb": "train", "peft": "train"}
@@ -204,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"selfspec {args.command} needs {error.name}, which is in selfspec's [{extra}] extra: "
             f"pip install -e '.[{extra}]' in the repository"
+        ) from error
+    except (OSError, ValueError) as error:  # a path, a file or a value the user gave: the message names it
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        raise SystemExit(
+            f"selfspec {args.command}: {error}\n({TRACEBACK_VARIABLE}=1 shows where it was raised)"
         ) from error
 
 

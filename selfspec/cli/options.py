@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -30,9 +31,37 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     which dtype and why."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(args.device)
     if args.dtype is None:
         args.dtype, reason = default_dtype(args.model or DEFAULT_TARGET, args.device)
         print(f"dtype: {args.dtype} ({reason})", flush=True)
+
+
+def check_device(device: str) -> None:
+    """SystemExit where --device names no torch device, or a GPU this torch cannot reach."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise SystemExit(f"--device {device!r} is not a torch device: cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+
+
+def output_folder(path: str, option: str = "--output", make: bool = True) -> Path:
+    """The folder a command writes into, checked (and made, with `make`) before any work, so that a file in its
+    place or a folder that cannot be made stops the command at once rather than after its run."""
+    folder = Path(path)
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
+    if not existing.is_dir():
+        raise SystemExit(f"{option} {path}: {existing} is a file; name a folder")
+    if not os.access(existing, os.W_OK):
+        raise SystemExit(f"{option} {path}: this user cannot write into {existing}")
+    if make:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SystemExit(f"{option} {path}: cannot make the folder ({error.strerror or error})") from None
+    return folder
 
 
 def target_path(model: str | None) -> str | Path:

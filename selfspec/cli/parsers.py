@@ -18,6 +18,43 @@ THREADS_HELP = (
 )
 
 
+def counted(least: int):
+    """An argparse type: an integer of at least `least` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
+        return value
+
+    return parse
+
+
+positive, non_negative = counted(1), counted(0)
+
+
+def positive_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers of 1 or more ("1,2,4")."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,2,4, got {text!r}")
+    return [positive(part) for part in parts]
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where it has none or the help text already says it."""
 
@@ -64,7 +101,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
         help="prompts: a .json list or a .jsonl file, or Spec-Bench questions (.jsonl rows with category and turns: "
         "the first turn through the chat template) (default: the model's prompts.jsonl or prompts.json)",
     )
-    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--max_new_tokens", type=positive, default=128, help="tokens generated per prompt")
     parser.add_argument(
         "--dtype",
         help="float32 | bfloat16 | float16 | auto (default: for "
@@ -74,7 +111,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, bundled: bool, demo: bo
         "scores (selfspec.measure.ties); in float32 it is token for token",
     )
     parser.add_argument("--device", help="cpu or cuda (default: cuda where torch sees one, else cpu)")
-    parser.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP)
+    parser.add_argument("--num_threads", type=non_negative, default=1, help=THREADS_HELP)
     parser.add_argument(
         "--draft_vocab",
         help="a JSON file with a list of token ids for reduced-vocabulary drafts (default: the model's "
@@ -91,7 +128,7 @@ def add_demo_parser(commands) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_arguments(demo, bundled=True, demo=True)
-    demo.add_argument("--num_prompts", type=int, default=3, help="prompts to complete")
+    demo.add_argument("--num_prompts", type=positive, default=3, help="prompts to complete")
     demo.add_argument("--output", default="runs/demo", help="folder for alpha_by_depth.png")
 
 
@@ -108,19 +145,21 @@ def add_bench_parser(commands) -> None:
         default="runs/bench",
         help="folder for bench.json, bench.md and bench.png (bench_batch.json and bench_batch.md with --batch_sizes)",
     )
-    bench.add_argument("--num_prompts", type=int, help="prompts used (the first N; default: all)")
+    bench.add_argument("--num_prompts", type=positive, help="prompts used (the first N; default: all)")
     bench.add_argument(
         "--limit_per_category",
-        type=int,
+        type=positive,
         help="Spec-Bench prompts: the first N of each category (MT-bench's eight count as one), for a quick run",
     )
-    bench.add_argument("--repeats", type=int, default=2, help="runs per prompt and contender (medians reported)")
-    bench.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling contenders")
+    bench.add_argument("--repeats", type=positive, default=2, help="runs per prompt and contender (medians reported)")
+    bench.add_argument("--temperature", type=positive_float, default=0.8, help="temperature of the sampling contenders")
     bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
     bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
-    bench.add_argument("--assistant_exit_layers", help="transformers early-exit layers to try, e.g. 3,6")
+    bench.add_argument(
+        "--assistant_exit_layers", type=positive_list, help="transformers early-exit layers to try, e.g. 3,6"
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
-    bench.add_argument("--untrained_exit_layer", type=int, help="depth of the untrained-exit contender")
+    bench.add_argument("--untrained_exit_layer", type=positive, help="depth of the untrained-exit contender")
     bench.add_argument(
         "--compile",
         action="store_true",
@@ -169,7 +208,7 @@ def add_bench_parser(commands) -> None:
     )
     bench.add_argument(
         "--suffix_memory_tokens",
-        type=int,
+        type=positive,
         help="--suffix_memory: stop reading after the row whose answers reach this many tokens (default: all)",
     )
     bench.add_argument(
@@ -180,9 +219,11 @@ def add_bench_parser(commands) -> None:
         "over many standard-library functions and two-turn revisions, after --warmup untimed calls per task "
         "(selfspec.workload; needs a chat model), greedy",
     )
-    bench.add_argument("--warmup", type=int, default=3, help="--workload repeated: untimed functions per task")
+    bench.add_argument("--warmup", type=non_negative, default=3, help="--workload repeated: untimed functions per task")
     bench.add_argument(
-        "--batch_sizes", help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)"
+        "--batch_sizes",
+        type=positive_list,
+        help="instead: batched throughput at these batch sizes, e.g. 1,2,4,8,16 (greedy, chain)",
     )
 
 
@@ -194,13 +235,13 @@ def add_tune_parser(commands) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_arguments(tune, bundled=True)
-    tune.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
-    tune.add_argument("--max_gamma", type=int, default=8, help="largest gamma considered for early exit")
+    tune.add_argument("--num_prompts", type=positive, default=4, help="prompts used (the first N)")
+    tune.add_argument("--max_gamma", type=positive, default=8, help="largest gamma considered for early exit")
     tune.add_argument("--do_sample", action="store_true", help="tune for sampling (default: greedy)")
-    tune.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions of c and v (median)")
+    tune.add_argument("--timing_repeats", type=positive, default=20, help="timed repetitions of c and v (median)")
     tune.add_argument("--measure_grid", action="store_true", help="also time the candidates against model.generate")
     tune.add_argument("--dry_run", action="store_true", help="print the choice without writing it into the heads")
-    tune.add_argument("--batch_sizes", default="1",
+    tune.add_argument("--batch_sizes", type=positive_list, default="1",
                       help="batch sizes to fit the position cost r at, comma-separated (e.g. 1,4,16,64: those you "
                       "generate with); one r per size, interpolated between them")  # fmt: skip
 
@@ -227,22 +268,32 @@ def add_profile_parser(commands) -> None:
         help="held-out text: comma-separated file globs or a folder (default without --model: the demo target's "
         "held-out files, as configs/train_heads_demo.yaml lists them)",
     )
-    profile.add_argument("--exit_layers", help="without --heads: exit depths to profile, e.g. 2,4,6 (default spread)")
+    profile.add_argument(
+        "--exit_layers", type=positive_list, help="without --heads: exit depths to profile, e.g. 2,4,6 (default spread)"
+    )
     profile.add_argument("--text_field", default="text", help="jsonl / parquet text column")
-    profile.add_argument("--seq_len", type=int, default=256, help="tokens per evaluated row")
-    profile.add_argument("--max_rows", type=int, default=64, help="rows evaluated")
-    profile.add_argument("--batch_size", type=int, default=8, help="rows per forward")
-    profile.add_argument("--timing_context", type=int, default=64, help="cached tokens while timing one-token steps")
-    profile.add_argument("--timing_repeats", type=int, default=20, help="timed repetitions (median)")
-    profile.add_argument("--max_gamma", type=int, default=8, help="largest gamma for the predicted speedup")
+    profile.add_argument(
+        "--bad_rows",
+        default="stop",
+        choices=["stop", "skip"],
+        help="rows without usable text: stop, naming the first, or skip them",
+    )
+    profile.add_argument("--seq_len", type=positive, default=256, help="tokens per evaluated row")
+    profile.add_argument("--max_rows", type=positive, default=64, help="rows evaluated")
+    profile.add_argument("--batch_size", type=positive, default=8, help="rows per forward")
+    profile.add_argument(
+        "--timing_context", type=non_negative, default=64, help="cached tokens while timing one-token steps"
+    )
+    profile.add_argument("--timing_repeats", type=positive, default=20, help="timed repetitions (median)")
+    profile.add_argument("--max_gamma", type=positive, default=8, help="largest gamma for the predicted speedup")
     profile.add_argument("--measure_v", action="store_true", help="measure v(gamma) instead of assuming 1")
     profile.add_argument(
-        "--answer_tokens", type=int, default=128,
+        "--answer_tokens", type=non_negative, default=128,
         help="chat data: also score the first N tokens of each answer alone, where a benchmark of N new tokens "
         "drafts; 0: not",
     )  # fmt: skip
     profile.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    profile.add_argument("--num_threads", type=int, default=1, help=THREADS_HELP + " (and skew the timed c)")
+    profile.add_argument("--num_threads", type=non_negative, default=1, help=THREADS_HELP + " (and skew the timed c)")
     profile.add_argument("--output", default="runs/profile", help="folder for alpha_by_depth.png")
     profile.add_argument("--draft_vocab", help="a JSON file of token ids: also profile drafts from these rows only")
     profile.add_argument("--draft_quant", choices=["int8"], help="also profile drafts through an int8 LM head")
@@ -286,3 +337,6 @@ def add_export_parser(commands) -> None:
         "for a GGUF file such as smollm2-135m-instruct's)",
     )
     export.add_argument("--output", required=True, help="the folder to write")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace --output where it exists, everything in it included"
+    )

@@ -92,11 +92,15 @@ def accept_sampling(
     q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, G], > 0: x_i was drawn from q_i
     u = torch.rand(batch, gamma, device=p.device, dtype=p.dtype, generator=generator)
     num_accepted = _leading_true(u * q_draft < p_draft)  # u < p/q, i.e. probability min(1, p/q)
-    # position num_accepted: the residual after a rejection, or p_{G+1} (q padded with zeros) for the bonus
-    q_padded = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # [batch, G+1, V]
-    index = num_accepted[:, None, None].expand(-1, 1, p.shape[-1])
-    p_at = p.gather(1, index).squeeze(1)  # [batch, V]
-    q_at = q_padded.gather(1, index).squeeze(1)
+    # position num_accepted: the residual after a rejection, or p_{G+1} (q taken as zero) for the bonus; rows are
+    # indexed, not gathered over the vocabulary
+    rows = torch.arange(batch, device=p.device)
+    p_at = p[rows, num_accepted]  # [batch, V]
+    if gamma == 0:
+        q_at = torch.zeros_like(p_at)
+    else:
+        rejected = (num_accepted < gamma)[:, None]
+        q_at = torch.where(rejected, q[rows, num_accepted.clamp_max(gamma - 1)], 0.0)
     next_token = draw(residual_distribution(p_at, q_at), generator)
     return Verdict(num_accepted, next_token)
 

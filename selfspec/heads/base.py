@@ -197,6 +197,30 @@ class DraftHeads(nn.Module):
         card = card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
         write_folder(Path(path), self.config_dict(), state, card, {"format": "pt", "kind": self.kind})
 
+    def save_defaults(self, path: str | os.PathLike, card: str | None = None) -> None:
+        """Write the heads' settings into config.json of the heads folder at `path` (its other keys kept), and the
+        card when given, each file replaced atomically: the weights and every other file stay as they are (what
+        `selfspec tune` changes)."""
+        path = Path(path)
+        config_path = path / CONFIG_NAME
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        replace_file(config_path, json.dumps({**config, **self.config_dict()}, indent=2) + "\n")
+        if card is not None:
+            replace_file(path / CARD_NAME, card)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` into `path` through a file beside it, renamed over it: a crash leaves the old file or the new."""
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(staging, 0o666 & ~_umask())  # mkstemp makes it private (0600)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+
 
 def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], card: str, metadata: dict) -> None:
     """config.json, model.safetensors (with `metadata`) and README.md, written atomically (`staged_folder`)."""

@@ -41,7 +41,12 @@ def read_questions(path: str | Path) -> list[dict] | None:
     path = Path(path)
     if path.suffix != ".jsonl":
         return None
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: pass the prompts file itself (.json or .jsonl)")
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON lines: {error}") from None
     if not rows or not isinstance(rows[0], dict) or "turns" not in rows[0]:
         return None
     for number, row in enumerate(rows, 1):
@@ -69,16 +74,25 @@ def chat_prompts(rows: list[dict], tokenizer, source: str = "Spec-Bench") -> lis
 def load_prompts(path: str | Path) -> list[str]:
     """Prompts from a .json list (strings, or objects with a `prompt` or `text` field) or a .jsonl file."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        items = json.loads(text)
-    elif path.suffix == ".jsonl":
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
+    if path.suffix not in (".json", ".jsonl"):
         raise ValueError(f"{path}: prompts must be a .json list or a .jsonl file, one prompt per line")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: pass the prompts file itself (.json or .jsonl)")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            items = json.loads(text) if text.strip() else []
+        else:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON{'' if path.suffix == '.json' else ' lines'}: {error}") from None
+    if not isinstance(items, list):
+        raise ValueError(f"{path}: a .json prompts file holds a list, got a JSON {type(items).__name__}")
     prompts = []
     for number, item in enumerate(items, 1):
-        prompt = item if isinstance(item, str) else (item.get("prompt") or item.get("text"))
+        prompt = item
+        if isinstance(item, dict):
+            prompt = item.get("prompt") or item.get("text")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}: item {number} has no prompt (a string, or a `prompt` or `text` field)")
         prompts.append(prompt)

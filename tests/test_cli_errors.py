@@ -1,0 +1,167 @@
+"""Bad input to the `selfspec` commands and the training script: an error that names the option, the path or the
+value, before any work where it can be known then; never a deep traceback, a silent substitute or a lost folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec.cli import commands, demo
+from selfspec.cli.main import main
+from selfspec.targets import as_dtype, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["bench", "--num_prompts", "0"], "--num_prompts: must be 1 or more, got 0"),
+        (["bench", "--repeats", "0"], "--repeats: must be 1 or more"),
+        (["bench", "--max_new_tokens", "0"], "--max_new_tokens: must be 1 or more"),
+        (["bench", "--limit_per_category", "0"], "--limit_per_category: must be 1 or more"),
+        (["bench", "--num_threads", "-1"], "--num_threads: must be 0 or more"),
+        (["bench", "--temperature", "0"], "--temperature: must be above 0"),
+        (["bench", "--batch_sizes", "1,x"], "--batch_sizes: expected a whole number, got 'x'"),
+        (["bench", "--batch_sizes", "1,2,"], "--batch_sizes: expected comma-separated numbers"),
+        (["bench", "--batch_sizes", "4,0"], "--batch_sizes: must be 1 or more, got 0"),
+        (["bench", "--assistant_exit_layers", "3,x"], "--assistant_exit_layers: expected a whole number"),
+        (["bench", "--untrained_exit_layer", "0"], "--untrained_exit_layer: must be 1 or more"),
+        (["demo", "--num_prompts", "-1"], "--num_prompts: must be 1 or more"),
+        (["tune", "--max_gamma", "0"], "--max_gamma: must be 1 or more"),
+        (["tune", "--timing_repeats", "0"], "--timing_repeats: must be 1 or more"),
+        (["tune", "--batch_sizes", "0"], "--batch_sizes: must be 1 or more"),
+        (["profile", "--exit_layers", "a"], "--exit_layers: expected a whole number"),
+        (["profile", "--max_rows", "0"], "--max_rows: must be 1 or more"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_by_the_parser(argv, problem, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and problem in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """The commands' loading of the target fails the test: the checks under test come before it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the bad input was refused")
+
+    for module in (commands, demo):
+        monkeypatch.setattr(module, "load_target", refuse)
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_an_output_that_is_a_file_stops_the_command_before_its_run(command, tmp_path, no_loading):
+    (tmp_path / "taken").write_text("x")
+    for output in (tmp_path / "taken", tmp_path / "taken" / "below"):
+        with pytest.raises(SystemExit, match=f"--output {output}: {tmp_path / 'taken'} is a file"):
+            main([command, "--output", str(output)])
+    assert (tmp_path / "taken").read_text() == "x"
+
+
+def test_bench_refuses_options_its_runs_would_ignore(no_loading):
+    for extra, problem in [
+        (["--batch_sizes", "1", "--chains", "1,2"], "--chains is an option of the Spec-Bench runs"),
+        (["--batch_sizes", "1", "--workload", "repeated"], "--batch_sizes and --workload repeated are separate"),
+        (["--assistant_exit_layers", "2", "--no_transformers"], "--assistant_exit_layers sets transformers'"),
+    ]:
+        with pytest.raises(SystemExit, match=problem):
+            main(["bench", *extra])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU takes --device cuda")
+def test_a_device_this_torch_cannot_use_is_named():
+    with pytest.raises(SystemExit, match="--device cuda: this torch .* sees no CUDA GPU"):
+        main(["bench", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="--device 'gpu' is not a torch device"):
+        main(["bench", "--device", "gpu"])
+
+
+def test_export_keeps_an_existing_folder_unless_told_to_replace_it(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    for output, what in [(tmp_path / "out", "is a folder with files in it"), (tmp_path / "file", "is a file")]:
+        with pytest.raises(SystemExit, match=f"--output {output} {what}; .* pass --overwrite"):
+            main(["export", "--format", "hf", "--model", "demo", "--output", str(output)])
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "x"
+    (tmp_path / "empty").mkdir()  # an empty folder is no one's work
+    assert main(["export", "--format", "hf", "--model", "demo", "--output", str(tmp_path / "empty")]) == 0
+    assert main(["export", "--format", "hf", "--model", "demo", "--output", str(tmp_path / "out"), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "config.json").exists() and not (tmp_path / "out" / "notes.txt").exists()
+
+
+def test_library_errors_end_the_command_with_their_message(tmp_path, monkeypatch, capsys):
+    """A wrong path or value the library refuses ends the command with the message, not a traceback; the
+    traceback is there on request."""
+    missing = tmp_path / "no-heads"
+    with pytest.raises(SystemExit, match=f"selfspec bench: No heads folder at {missing}") as stopped:
+        main(["bench", "--heads", str(missing), "--num_prompts", "1"])
+    assert "SELFSPEC_TRACEBACK=1 shows where" in str(stopped.value.code)
+    monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
+    with pytest.raises(FileNotFoundError, match="No heads folder"):
+        main(["bench", "--heads", str(missing), "--num_prompts", "1"])
+
+
+def test_folders_that_hold_no_model_are_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json: it is not a model folder"):
+        load_model(tmp_path / "empty")
+    heads = ROOT / "heads" / "demo-target" / "exit-heads"
+    with pytest.raises(ValueError, match=r"is a selfspec heads folder \(exit heads\), not a model"):
+        load_model(heads)
+    with pytest.raises(OSError, match="nor a model folder under the current folder"):
+        load_model("no-such-folder/below")
+    with pytest.raises(ValueError, match="'int8' is not a floating-point torch dtype"):
+        as_dtype("int8")
+
+
+def train_heads_args(argv: list[str]):
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        import train_heads
+
+        return train_heads.parse_args(argv)
+    finally:
+        sys.path.remove(str(ROOT / "training"))
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--overwrit", "--train.max_steps", "2"], r"unknown option --overwrit \(did you mean --overwrite\?\)"),
+        (["--resum"], r"unknown option --resum \(did you mean --resume\?\)"),
+        (["--train.max_step", "3"], r"unknown option --train.max_step \(did you mean --train.max_steps\?\)"),
+        (["--train.max_steps"], "--train.max_steps needs a value"),
+        (["--train.max_steps", "--data.seq_len", "64"], "--train.max_steps needs a value"),
+    ],
+)
+def test_training_flags_that_are_no_flag_nor_config_key_are_named(argv, problem):
+    with pytest.raises(SystemExit, match=problem):
+        train_heads_args(["--config", str(ROOT / "configs" / "train_heads_demo.yaml"), *argv])
+
+
+def test_training_overrides_parse_as_before():
+    _, config = train_heads_args(["--train.max_steps=3", "--data.seq_len", "64", "--heads.exit_layers", "[1, 5]"])
+    assert (config.train.max_steps, config.data.seq_len, config.heads.exit_layers) == (3, 64, [1, 5])
+
+
+def test_a_heads_dir_below_a_file_is_refused_before_training(tmp_path):
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        import train_heads
+
+        (tmp_path / "file").write_text("x")
+        config = tmp_path / "c.yaml"
+        config.write_text(json.dumps({"heads_dir": str(tmp_path / "file" / "h"), "output_dir": str(tmp_path / "r")}))
+        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file' / 'h'}: .* is a file"):
+            train_heads.main(["--config", str(config)])
+        assert not (tmp_path / "r").exists()
+    finally:
+        sys.path.remove(str(ROOT / "training"))
