@@ -323,6 +323,22 @@ def test_batch_throughput_rows_match_the_padded_batch(model):
     assert batch_table(rows).count("| yes |") == 2
 
 
+def test_the_batch_bench_measures_the_heads_it_is_given(model, tmp_path, capsys):
+    """--batch_sizes with EAGLE heads measures their chain (it took an untrained exit instead)."""
+    from argparse import Namespace
+
+    from test_eagle import eagle_heads
+
+    from selfspec.cli.commands import run_batch_bench
+    from selfspec.heads import EagleHeads
+
+    args = Namespace(batch_sizes=[2], max_new_tokens=6, repeats=1, output=str(tmp_path))
+    prompts = [random_prompt(4, seed=1), random_prompt(6, seed=2)]
+    assert run_batch_bench(args, model, {EagleHeads: eagle_heads(model)}, prompts, None) == 0
+    assert "selfspec: EAGLE chain, adaptive gamma" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench_batch.json").read_text())["meta"]["mode"] == "EAGLE chain"
+
+
 def test_compiled_contenders_run_exactly_and_are_compared_with_the_compiled_generate(model):
     """--compile: transformers' static-cache compiled generate and selfspec's compiled chains, in one run; the
     compiled plain loop is the unit of the compiled contenders' c and v."""
