@@ -166,12 +166,15 @@ def _dequantized_gguf():
     return config(dequantize=True) if config is not None else None
 
 
-def check_model_folder(path: Path) -> None:
-    """ValueError where `path` is a folder that holds no model: no config.json, or a selfspec heads folder's."""
+def check_model_folder(path: Path, gguf: bool = False) -> None:
+    """ValueError where `path` is a folder that holds no model: no config.json (nor a PEFT adapter's config, nor a
+    GGUF file named by `gguf`), or a selfspec heads folder's."""
     if not path.is_dir():
         return
     config_path = path / "config.json"
     if not config_path.exists():
+        if gguf or (path / "adapter_config.json").exists():
+            return
         raise ValueError(f"{path} has no config.json: it is not a model folder")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -191,7 +194,7 @@ def load_model(
 
     if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
         return load_known_target(name_or_path, dtype, device, **kwargs)
-    check_model_folder(Path(name_or_path))
+    check_model_folder(Path(name_or_path), gguf="gguf_file" in kwargs)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=as_dtype(dtype), **kwargs)
     except OSError as error:

@@ -103,7 +103,11 @@ def test_library_errors_end_the_command_with_their_message(tmp_path, monkeypatch
     missing = tmp_path / "no-heads"
     with pytest.raises(SystemExit, match=f"selfspec bench: No heads folder at {missing}") as stopped:
         main(["bench", "--heads", str(missing), "--num_prompts", "1"])
-    assert "SELFSPEC_TRACEBACK=1 shows where" in str(stopped.value.code)
+    assert "(FileNotFoundError at " in str(stopped.value.code)  # where it was raised, should it be a bug
+    assert "SELFSPEC_TRACEBACK=1 shows the traceback" in str(stopped.value.code)
+    monkeypatch.setenv("SELFSPEC_TRACEBACK", "0")
+    with pytest.raises(SystemExit, match="No heads folder"):
+        main(["bench", "--heads", str(missing), "--num_prompts", "1"])
     monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
     with pytest.raises(FileNotFoundError, match="No heads folder"):
         main(["bench", "--heads", str(missing), "--num_prompts", "1"])
@@ -113,6 +117,11 @@ def test_folders_that_hold_no_model_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no config.json: it is not a model folder"):
         load_model(tmp_path / "empty")
+    (tmp_path / "adapter").mkdir()  # a PEFT adapter's folder has a config of its own, which is not refused here
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(Exception) as raised:
+        load_model(tmp_path / "adapter")
+    assert "not a model folder" not in str(raised.value)
     heads = ROOT / "heads" / "demo-target" / "exit-heads"
     with pytest.raises(ValueError, match=r"is a selfspec heads folder \(exit heads\), not a model"):
         load_model(heads)
@@ -140,6 +149,9 @@ def train_heads_args(argv: list[str]):
         (["--train.max_step", "3"], r"unknown option --train.max_step \(did you mean --train.max_steps\?\)"),
         (["--train.max_steps"], "--train.max_steps needs a value"),
         (["--train.max_steps", "--data.seq_len", "64"], "--train.max_steps needs a value"),
+        (["--train.max_steps=3", "--data.seq_lenn", "64"], r"unknown option --data.seq_lenn \(did you mean"),
+        (["--data.seq_lenn=64"], r"unknown option --data.seq_lenn \(did you mean --data.seq_len\?\)"),
+        (["--train.max_steps", "3", "4"], "unexpected argument '4'"),
     ],
 )
 def test_training_flags_that_are_no_flag_nor_config_key_are_named(argv, problem):
@@ -160,8 +172,12 @@ def test_a_heads_dir_below_a_file_is_refused_before_training(tmp_path):
         (tmp_path / "file").write_text("x")
         config = tmp_path / "c.yaml"
         config.write_text(json.dumps({"heads_dir": str(tmp_path / "file" / "h"), "output_dir": str(tmp_path / "r")}))
-        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file' / 'h'}: .* is a file"):
+        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file'}: .* is a file"):
             train_heads.main(["--config", str(config)])
         assert not (tmp_path / "r").exists()
+        config.write_text(json.dumps({"heads_dir": str(tmp_path / "file"), "output_dir": str(tmp_path / "r")}))
+        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file'} already exists .* pass --overwrite"):
+            train_heads.main(["--config", str(config)])  # a file in its place is replaced as a folder would be
+        assert (tmp_path / "file").read_text() == "x" and not (tmp_path / "r").exists()
     finally:
         sys.path.remove(str(ROOT / "training"))

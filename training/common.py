@@ -75,17 +75,24 @@ def check_overrides(parser: argparse.ArgumentParser, config_type: type, override
     keys, open_keys = dotted_keys(config_type)
     keys, open_keys = [f"--{key}" for key in keys], [f"--{key}." for key in open_keys]
     flags = [option for action in parser._actions for option in action.option_strings]
-    for index, arg in enumerate(overrides):
-        if not arg.startswith("--") or "=" in arg or (index > 0 and overrides[index - 1].startswith("--")):
-            continue  # a value, a key=value, or the value of the key before
-        following = overrides[index + 1] if index + 1 < len(overrides) else None
-        if arg not in keys and not arg.startswith(tuple(open_keys)):
-            close = difflib.get_close_matches(arg, flags + keys, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise SystemExit(f"{parser.prog}: unknown option {arg}{hint}; config keys are overridden with "
+    index = 0
+    while index < len(overrides):
+        arg = overrides[index]
+        key = arg.split("=", 1)[0]
+        if not arg.startswith("--"):
+            raise SystemExit(f"{parser.prog}: unexpected argument {arg!r}; config keys are overridden with "
                              "--section.key VALUE")  # fmt: skip
-        if following is None or following.startswith("--"):
+        if key not in keys and not key.startswith(tuple(open_keys)):
+            close = difflib.get_close_matches(key, flags + keys, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SystemExit(f"{parser.prog}: unknown option {key}{hint}; config keys are overridden with "
+                             "--section.key VALUE")  # fmt: skip
+        if "=" in arg:
+            index += 1
+            continue
+        if index + 1 >= len(overrides) or overrides[index + 1].startswith("--"):
             raise SystemExit(f"{parser.prog}: {arg} needs a value (--section.key VALUE)")
+        index += 2
 
 
 def dotted_keys(config_type: type, prefix: str = "") -> tuple[list[str], list[str]]:

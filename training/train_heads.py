@@ -473,7 +473,7 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
     their tuned defaults and card are not in the run) unless --overwrite asks for it. A resumed run may
     replace it: it started while the folder was absent, or with --overwrite."""
     heads_dir = Path(config.heads_dir)
-    for option, folder in (("heads_dir", heads_dir), ("output_dir", Path(config.output_dir))):
+    for option, folder in (("heads_dir", heads_dir.absolute().parent), ("output_dir", Path(config.output_dir))):
         existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
         if not existing.is_dir():
             raise NotADirectoryError(f"{option} {folder}: {existing} is a file, where the run writes a folder")

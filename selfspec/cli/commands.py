@@ -291,7 +291,7 @@ def run_repeated_workload(args: argparse.Namespace, model, tokenizer, heads: dic
     by_category = summarize_by_category(contenders, prompts)
     table = category_report(by_category, prompts)
     print(table)
-    output = Path(args.output)
+    output = output_folder(args.output)
     (output / "bench_repeated.md").write_text(table + "\n", encoding="utf-8")
     flat = [{"category": category, **row} for category, summaries in by_category.items() for row in summaries]
     meta = {"workload": "repeated", "warmup": len(warm), "prompts": len(prompts), "dtype": str(model.dtype),
@@ -321,7 +321,7 @@ def run_batch_bench(args: argparse.Namespace, model, heads: dict, inputs, vocab)
     rows = batch_throughput(spec, inputs, args.batch_sizes, args.max_new_tokens, repeats=args.repeats)
     table = batch_table(rows)
     print(f"selfspec: {label}{', draft vocabulary ' + str(len(vocab)) if vocab else ''}, adaptive gamma\n{table}")
-    output = Path(args.output)
+    output = output_folder(args.output)
     (output / "bench_batch.md").write_text(table + "\n", encoding="utf-8")
     write_json(rows, output / "bench_batch.json", {"mode": label, "max_new_tokens": args.max_new_tokens})
     return 0 if all(row["matched"] for row in rows) else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from .. import __version__
@@ -219,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
             f"selfspec {args.command} needs {error.name}, which is in selfspec's [{extra}] extra: "
             f"pip install -e '.[{extra}]' in the repository"
         ) from error
-    except (OSError, ValueError) as error:  # a path, a file or a value the user gave: the message names it
-        if os.environ.get(TRACEBACK_VARIABLE):
+    except (OSError, ValueError) as error:  # mostly a path, a file or a value the user gave: the message names it
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
             raise
+        where = traceback.extract_tb(error.__traceback__)[-1]  # where it was raised, should it be a bug
         raise SystemExit(
-            f"selfspec {args.command}: {error}\n({TRACEBACK_VARIABLE}=1 shows where it was raised)"
+            f"selfspec {args.command}: {error}\n({type(error).__name__} at {Path(where.filename).name}:{where.lineno}; "
+            f"{TRACEBACK_VARIABLE}=1 shows the traceback)"
         ) from error
 
 

@@ -40,11 +40,13 @@ def resolve_dtype(args: argparse.Namespace) -> None:
 def check_device(device: str) -> None:
     """SystemExit where --device names no torch device, or a GPU this torch cannot reach."""
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except RuntimeError:
         raise SystemExit(f"--device {device!r} is not a torch device: cpu, cuda or cuda:N") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+    if parsed.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 and on")
 
 
 def output_folder(path: str, option: str = "--output", make: bool = True) -> Path:

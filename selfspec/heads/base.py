@@ -215,7 +215,8 @@ def replace_file(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
-        os.chmod(staging, 0o666 & ~_umask())  # mkstemp makes it private (0600)
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()  # mkstemp makes it 0600
+        os.chmod(staging, mode)
         os.replace(staging, path)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
