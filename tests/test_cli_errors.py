@@ -172,7 +172,7 @@ def test_a_heads_dir_below_a_file_is_refused_before_training(tmp_path):
         (tmp_path / "file").write_text("x")
         config = tmp_path / "c.yaml"
         config.write_text(json.dumps({"heads_dir": str(tmp_path / "file" / "h"), "output_dir": str(tmp_path / "r")}))
-        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file'}: .* is a file"):
+        with pytest.raises(SystemExit, match=f"heads_dir {tmp_path / 'file' / 'h'}: {tmp_path / 'file'} is a file"):
             train_heads.main(["--config", str(config)])
         assert not (tmp_path / "r").exists()
         config.write_text(json.dumps({"heads_dir": str(tmp_path / "file"), "output_dir": str(tmp_path / "r")}))

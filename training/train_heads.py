@@ -473,10 +473,15 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
     their tuned defaults and card are not in the run) unless --overwrite asks for it. A resumed run may
     replace it: it started while the folder was absent, or with --overwrite."""
     heads_dir = Path(config.heads_dir)
-    for option, folder in (("heads_dir", heads_dir.absolute().parent), ("output_dir", Path(config.output_dir))):
+    output_dir = Path(config.output_dir)
+    # the folders above heads_dir (heads_dir itself, when it exists, follows the rule below) and output_dir
+    for option, given, folder in (
+        ("heads_dir", heads_dir, heads_dir.absolute().parent),
+        ("output_dir", output_dir, output_dir),
+    ):
         existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
         if not existing.is_dir():
-            raise NotADirectoryError(f"{option} {folder}: {existing} is a file, where the run writes a folder")
+            raise NotADirectoryError(f"{option} {given}: {existing} is a file, where the run writes a folder")
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
         return
     if resume and complete_checkpoints(Path(config.output_dir) / "checkpoints"):
