@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
 from selfspec.heads import KINDS, DraftHeads, HeadsMismatchError, load_heads
+from selfspec.heads.base import nearest_existing
 from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.measure.profile import (
     configure_wandb,
@@ -479,7 +480,7 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
         ("heads_dir", heads_dir, heads_dir.absolute().parent),
         ("output_dir", output_dir, output_dir),
     ):
-        existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
+        existing = nearest_existing(folder)
         if not existing.is_dir():
             raise NotADirectoryError(f"{option} {given}: {existing} is a file, where the run writes a folder")
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):

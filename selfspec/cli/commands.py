@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapter import ModelAdapter
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..measure.bench import (
     category_report,
@@ -78,7 +79,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                          "leaves out")  # fmt: skip
     output = output_folder(args.output)
     model, tokenizer, heads, prompts, vocab = load_target(args, with_prompts=args.workload == "prompts")
-    check_exit_layers(args, model)
+    adapter = ModelAdapter(model)  # the layers and positions the engine goes by
+    check_exit_layers(args, adapter.num_layers)
     if args.workload == "repeated":
         return run_repeated_workload(args, model, tokenizer, heads, vocab)
     if args.limit_per_category is not None:
@@ -88,7 +90,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise SystemExit(f"--limit_per_category: {error}") from error
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
-    check_prompt_lengths(inputs, args.max_new_tokens, model)
+    check_prompt_lengths(inputs, args.max_new_tokens, adapter.max_positions)
     if args.batch_sizes:
         return run_batch_bench(args, model, heads, inputs, vocab)
     layers = args.assistant_exit_layers
@@ -185,9 +187,8 @@ def check_batch_options(args: argparse.Namespace) -> None:
         raise SystemExit("--batch_sizes and --workload repeated are separate runs: pass one of them")
 
 
-def check_exit_layers(args: argparse.Namespace, model) -> None:
-    """--untrained_exit_layer and --assistant_exit_layers name layers below the model's last one."""
-    layers = model.config.get_text_config().num_hidden_layers
+def check_exit_layers(args: argparse.Namespace, layers: int) -> None:
+    """--untrained_exit_layer and --assistant_exit_layers name layers below the model's last one (of `layers`)."""
     asked = [("--untrained_exit_layer", args.untrained_exit_layer)]
     asked += [("--assistant_exit_layers", layer) for layer in args.assistant_exit_layers or []]
     for option, layer in asked:
@@ -196,9 +197,9 @@ def check_exit_layers(args: argparse.Namespace, model) -> None:
                              f"1 to {layers - 1})")  # fmt: skip
 
 
-def check_prompt_lengths(inputs: list, max_new_tokens: int, model) -> None:
-    """Every prompt and its new tokens fit the model's positions: checked before any run, naming the prompt."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+def check_prompt_lengths(inputs: list, max_new_tokens: int, limit: int | None) -> None:
+    """Every prompt and its new tokens fit the model's `limit` positions (None: no limit), as `generate` will
+    require: checked before any run, naming the prompt."""
     for number, ids in enumerate(inputs, 1):
         if limit is not None and ids.shape[1] + max_new_tokens > limit:
             raise SystemExit(

@@ -13,6 +13,7 @@ from ..adapter import read_token_ids
 from ..adapter.packed import packed_by_default
 from ..hardware import speculation_dtype
 from ..heads import DraftHeads, load_heads
+from ..heads.base import nearest_existing
 from ..measure.prompts import ChatPrompt, read_prompts
 from ..targets import DEFAULT_TARGET, TargetError, default_heads, load_model, target_folder
 from .parsers import BUNDLED, HALF_PRECISION_TARGETS
@@ -53,7 +54,7 @@ def output_folder(path: str, option: str = "--output", make: bool = True) -> Pat
     """The folder a command writes into, checked (and made, with `make`) before any work, so that a file in its
     place or a folder that cannot be made stops the command at once rather than after its run."""
     folder = Path(path)
-    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())  # the root always exists
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         raise SystemExit(f"{option} {path}: {existing} is a file; name a folder")
     if not os.access(existing, os.W_OK):

@@ -232,6 +232,12 @@ def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], car
         (staging / CARD_NAME).write_text(card)
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else the nearest folder above it that does (the root always exists): what decides
+    whether a folder can be made there (a file in the way, a folder this user cannot write)."""
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
 @contextmanager
 def staged_folder(path: Path) -> Iterator[Path]:
     """A staging folder beside `path` to write into, renamed to `path` when the block ends without an error (removed
