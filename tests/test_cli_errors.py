@@ -70,6 +70,9 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
         (["--batch_sizes", "1", "--chains", "1,2"], "--chains is an option of the Spec-Bench runs"),
         (["--batch_sizes", "1", "--workload", "repeated"], "--batch_sizes and --workload repeated are separate"),
         (["--assistant_exit_layers", "2", "--no_transformers"], "--assistant_exit_layers sets transformers'"),
+        (["--batch_sizes", "1", "--temperature", "0.7"], "--temperature .* --batch_sizes measures greedy decoding"),
+        (["--workload", "repeated", "--temperature", "0.7"], "--workload repeated measures greedy decoding"),
+        (["--no_sampling", "--temperature", "0.7"], "which --no_sampling leaves out"),
     ]:
         with pytest.raises(SystemExit, match=problem):
             main(["bench", *extra])

@@ -37,6 +37,7 @@ from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, check_plotting, encode, load_target, output_folder
+from .parsers import BENCH_TEMPERATURE
 
 
 def merged_shapes(text: str, option: str = "--merged_trees") -> list[tuple[dict, int]]:
@@ -70,6 +71,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if variants and (args.batch_sizes or args.workload == "repeated"):
         raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to "
                          f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'}")  # fmt: skip
+    if args.temperature is not None and (args.batch_sizes or args.workload == "repeated"):
+        raise SystemExit(f"--temperature sets the sampling contenders of the Spec-Bench runs; "
+                         f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'} measures greedy "
+                         "decoding")  # fmt: skip
+    if args.temperature is not None and args.no_sampling:
+        raise SystemExit("--temperature sets the sampling contenders, which --no_sampling leaves out")
+    args.temperature = BENCH_TEMPERATURE if args.temperature is None else args.temperature
     if args.batch_sizes:
         check_batch_options(args)
     else:

@@ -67,6 +67,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # targets that run in bfloat16 where the machine multiplies it natively (`selfspec.hardware`), in float32 elsewhere;
 # every other target runs in float32 unless --dtype says otherwise (the toy target's checks are token for token)
 HALF_PRECISION_TARGETS = {DEMO_TARGET}
+BENCH_TEMPERATURE = 0.8  # selfspec bench's sampling contenders, when --temperature is not given
 
 TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
 
@@ -152,7 +153,11 @@ def add_bench_parser(commands) -> None:
         help="Spec-Bench prompts: the first N of each category (MT-bench's eight count as one), for a quick run",
     )
     bench.add_argument("--repeats", type=positive, default=2, help="runs per prompt and contender (medians reported)")
-    bench.add_argument("--temperature", type=positive_float, default=0.8, help="temperature of the sampling contenders")
+    bench.add_argument(
+        "--temperature",
+        type=positive_float,
+        help=f"temperature of the sampling contenders (default {BENCH_TEMPERATURE}; the Spec-Bench runs only)",
+    )
     bench.add_argument("--no_sampling", action="store_true", help="greedy contenders only")
     bench.add_argument("--no_transformers", action="store_true", help="leave out transformers' assisted modes")
     bench.add_argument(
