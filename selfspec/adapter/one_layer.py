@@ -46,6 +46,11 @@ class OneLayerModel(nn.Module):
         super().__init__()
         settings = dict(config)
         model_type = settings.pop("model_type", None)
+        # the target's load dtype (a bfloat16 checkpoint's config says so) is not the head's: from_config would build
+        # the layer in it while the widened projections, fc and fuse are float32. The head is built in the default
+        # dtype, as its other parts are, and cast as a whole (SelfSpeculative, training) where needed.
+        for name in ("dtype", "torch_dtype"):
+            settings.pop(name, None)
         family = SUPPORTED_ARCHITECTURES.get(model_type)
         if family is None:
             raise UnsupportedModelError(unsupported_message(model_type, "a one-layer head body"))

@@ -190,12 +190,16 @@ class DraftHeads(nn.Module):
         self, path: str | os.PathLike, card: str | None = None, dtype: torch.dtype | None = None
     ) -> None:
         """Write config, weights and card atomically: a crash leaves the old folder or the new one. `dtype`: the
-        floating-point weights' dtype in the file (default: as they are); loading casts them to the heads' own."""
+        floating-point weights' dtype in the file (default: as they are); loading casts them to the heads' own.
+        Other files in an existing folder (a draft_vocab.json, notes) stay; a folder whose config.json is a model's is
+        refused (FileExistsError): it would lose the model's config and weights."""
         state = {name: tensor.detach() for name, tensor in self.state_dict().items()}
         if dtype is not None:
             state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
         card = card or f"# selfspec {self.kind} heads\n\nTarget: {self.fingerprint.name_or_path}\n"
-        write_folder(Path(path), self.config_dict(), state, card, {"format": "pt", "kind": self.kind})
+        path = Path(path)
+        check_not_a_model(path)
+        write_folder(path, self.config_dict(), state, card, {"format": "pt", "kind": self.kind}, keep_others=True)
 
     def save_defaults(self, path: str | os.PathLike, card: str | None = None) -> None:
         """Write the heads' settings into config.json of the heads folder at `path` (its other keys kept), and the
@@ -223,9 +227,34 @@ def replace_file(path: Path, text: str) -> None:
         raise
 
 
-def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor], card: str, metadata: dict) -> None:
-    """config.json, model.safetensors (with `metadata`) and README.md, written atomically (`staged_folder`)."""
-    with staged_folder(path) as staging:
+def check_not_a_model(path: Path) -> None:
+    """Raise FileExistsError where `path` holds a config.json that is not a heads folder's (a model's): writing heads
+    there would replace the model's config and weights."""
+    config_path = path / CONFIG_NAME
+    if not config_path.is_file():
+        return
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict) or "kind" not in config:
+        raise FileExistsError(
+            f"{path} holds a {CONFIG_NAME} that is not a heads folder's (a model's?): saving heads there would replace "
+            "it and the weights beside it. Save the heads in a folder of their own."
+        )
+
+
+def write_folder(
+    path: Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    card: str,
+    metadata: dict,
+    keep_others: bool = False,
+) -> None:
+    """config.json, model.safetensors (with `metadata`) and README.md, written atomically (`staged_folder`; with
+    `keep_others`, the existing folder's other files stay)."""
+    with staged_folder(path, keep_others) as staging:
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, staging / WEIGHTS_NAME, metadata=metadata)
         (staging / WEIGHTS_NAME).chmod(0o666 & ~_umask())  # safetensors writes it private (0600)
@@ -239,14 +268,23 @@ def nearest_existing(path: Path) -> Path:
 
 
 @contextmanager
-def staged_folder(path: Path) -> Iterator[Path]:
+def staged_folder(path: Path, keep_others: bool = False) -> Iterator[Path]:
     """A staging folder beside `path` to write into, renamed to `path` when the block ends without an error (removed
-    when it raises): a crash leaves the old folder or the new one."""
+    when it raises): a crash leaves the old folder or the new one. With `keep_others`, the entries of an existing
+    folder at `path` that the block did not write are carried over (hard-linked, or copied), not deleted."""
+    path = Path(os.path.abspath(path))  # "." or "out/..": its own name, staged beside it (".".parent is "." itself)
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents:
+        raise ValueError(
+            f"{path} is the current folder or holds it: it cannot be replaced while in use; name a folder inside it"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private (0700); a heads folder is made like any other
     try:
         yield staging
+        if keep_others and path.is_dir():
+            _carry_over(path, staging)
     except BaseException:
         shutil.rmtree(staging)
         raise
@@ -257,6 +295,28 @@ def staged_folder(path: Path) -> Iterator[Path]:
         shutil.rmtree(retired)
     else:
         os.replace(staging, path)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """The entries of folder `old` that `new` lacks, into `new`: files hard-linked (copied where the file system
+    cannot link), folders copied that way, links as links."""
+
+    def link_or_copy(source, target):
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    for entry in old.iterdir():
+        target = new / entry.name
+        if target.exists() or target.is_symlink():
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
+        else:
+            link_or_copy(entry, target)
 
 
 def on_target(hidden: torch.Tensor, adapter: ModelAdapter) -> torch.Tensor:

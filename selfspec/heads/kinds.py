@@ -50,7 +50,16 @@ def load_heads(path: str | os.PathLike, adapter: ModelAdapter) -> DraftHeads:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HeadsMismatchError(f"Heads config {path / CONFIG_NAME} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise HeadsMismatchError(f"Heads config {path / CONFIG_NAME} is not a JSON object.")
     kind = KINDS.get(config.get("kind"))
+    exported = config.get("selfspec", {}).get("format") if isinstance(config.get("selfspec"), dict) else None
+    if kind is None and "kind" not in config and (exported or "speculators_model_type" in config):
+        raise HeadsMismatchError(
+            f"{path} is an EAGLE draft checkpoint for vLLM/SGLang ({exported or 'speculators'} format, as `selfspec "
+            "export` writes it), not a heads folder: pass the heads folder it was exported from, or read it back with "
+            "selfspec.export.load_export(path, model), which returns the head and its draft vocabulary."
+        )
     if kind is None and "kind" not in config and "model_type" in config:  # a model's config.json, not heads'
         raise HeadsMismatchError(
             f"{path} is a model folder (model_type {config['model_type']!r}), not a heads folder: pass it as the model "
