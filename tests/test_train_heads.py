@@ -799,6 +799,40 @@ def test_training_can_start_from_trained_heads_and_refuses_ones_of_another_shape
         train_in_process(medusa)
 
 
+def test_init_from_heads_with_a_draft_lora(world):
+    """heads.init_from a folder whose heads carry a draft LoRA: its adapter is taken with the heads where the config
+    asks for one (it was built after the start was loaded, so every such start was refused); a config without one
+    is told so; a fresh adapter goes on heads that had none."""
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    from selfspec.training.config import TrainHeadsConfig, load_config
+
+    adapter = ModelAdapter(AutoModelForCausalLM.from_pretrained(world["target"]))
+    lora = ["--lora.r=4", "--lora.alpha=8.0"]
+
+    def built(*overrides):
+        return train_heads.build_heads(load_config(TrainHeadsConfig, write_config(world, "init"), overrides), adapter)
+
+    start = built(*lora)
+    with torch.no_grad():
+        for tensor in start.state_dict().values():
+            tensor.normal_()  # trained weights, adapter factors included (a fresh LoRA's B is zero)
+    start.save_pretrained(world["root"] / "start_lora")
+    again = built(*lora, f"--heads.init_from={world['root'] / 'start_lora'}")
+    for (name, a), (_, b) in zip(start.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"has a draft LoRA \(r=4\) and these heads none: set lora.r"):
+        built(f"--heads.init_from={world['root'] / 'start_lora'}")
+    plain = built()
+    plain.save_pretrained(world["root"] / "start_plain")
+    fresh = built(*lora, f"--heads.init_from={world['root'] / 'start_plain'}")
+    assert fresh.draft_lora is not None
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
 def test_a_feature_cache_forwards_each_row_once_and_trains_what_the_forward_trains(world, baseline, monkeypatch):
     """train.feature_cache: over 1.5 epochs the target's forward runs once per training row, and (float32, so
     the stored states are the forward's) the heads equal the uncached run's bit for bit; a second run on the
@@ -830,3 +864,105 @@ def test_a_feature_cache_forwards_each_row_once_and_trains_what_the_forward_trai
     other = write_config(world, "cached_other", **{"train.feature_cache": str(cache), "heads.exit_layers": [1, 2]})
     with pytest.raises(ValueError, match=r"other settings: entries \[1, 2, 3, 4\] there, \[1, 2, 4\] here"):
         train_in_process(other)
+
+
+# --- resuming across sessions -------------------------------------------------------------------------------------
+
+SHORT = {"heads.exit_layers": [2], "train.max_steps": 8, "eval.every": 8}
+
+
+class SessionEnded(Exception):
+    """Stands for a session's end right after a checkpoint."""
+
+
+def end_session_after_checkpoint(monkeypatch, step: int):
+    """The next in-process run stops right after writing the checkpoint of `step`; returns the undo."""
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    original = train_heads.save_checkpoint
+
+    def save_then_stop(accelerator, config, at):
+        path = original(accelerator, config, at)
+        if at == step:
+            raise SessionEnded(at)
+        return path
+
+    monkeypatch.setattr(train_heads, "save_checkpoint", save_then_stop)
+    return lambda: monkeypatch.setattr(train_heads, "save_checkpoint", original)
+
+
+def interrupted(world, monkeypatch, name: str, **overrides) -> Path:
+    """A run of SHORT (and `overrides`) whose session ended after the checkpoint of step 4; returns its config."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    config = write_config(world, name, **{**SHORT, **overrides})
+    undo = end_session_after_checkpoint(monkeypatch, 4)
+    with pytest.raises(SessionEnded):
+        train_in_process(config)
+    undo()
+    return config
+
+
+def test_a_resumed_run_trains_with_the_lr_it_is_given(world, monkeypatch):
+    """After a non-finite loss the message says: lower train.lr, then --resume. The checkpoint's optimizer state
+    brought back the old lr (the run said the config changed, and trained as before)."""
+    from selfspec.training.config import TrainHeadsConfig, load_config
+
+    config = interrupted(world, monkeypatch, "new_lr")
+    sys.path.insert(0, str(ROOT / "training"))
+    try:
+        from common import learning_rate_factor
+    finally:
+        sys.path.remove(str(ROOT / "training"))
+    used, step = [], torch.optim.AdamW.step
+
+    def recording(self, *args, **kwargs):
+        used.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    train_in_process(config, "--resume", "--train.lr", "1e-4")
+    tc = load_config(TrainHeadsConfig, config, ["--train.lr", "1e-4"]).train
+    assert used == pytest.approx([1e-4 * learning_rate_factor(s, tc) for s in range(4, 8)])
+
+
+def test_resume_does_not_replace_another_existing_heads_folder(world, monkeypatch):
+    config = interrupted(world, monkeypatch, "moved")
+    committed = world["root"] / "committed_heads"
+    committed.mkdir()
+    (committed / "config.json").write_text('{"kind": "exit"}')  # stands for shipped heads
+    with pytest.raises(SystemExit, match=f"heads_dir {committed} already exists"):
+        train_in_process(config, "--resume", "--heads_dir", str(committed))
+    assert sorted(p.name for p in committed.iterdir()) == ["config.json"]
+    train_in_process(config, "--resume")  # the heads_dir it started with: fine
+
+
+def test_resume_with_a_draft_lora_dropout_ends_like_an_uninterrupted_run(world, monkeypatch):
+    """Each session times the heads first; a copy in training mode drew LoRA dropout from the restored RNG."""
+    lora = {"lora.r": 4, "lora.dropout": 0.2}
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    train_in_process(write_config(world, "dropout_whole", **SHORT, **lora))
+    train_in_process(interrupted(world, monkeypatch, "dropout_resumed", **lora), "--resume")
+    whole, resumed = heads_state(world, "dropout_whole"), heads_state(world, "dropout_resumed")
+    assert whole.keys() == resumed.keys() and all(torch.equal(resumed[name], whole[name]) for name in whole)
+
+
+def test_resuming_a_finished_run_leaves_its_heads_and_metrics_alone(world, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    config = write_config(world, "finished", **SHORT)
+    train_in_process(config)
+    heads_dir, metrics = world["root"] / "finished" / "heads", world["root"] / "finished" / "run" / "metrics.jsonl"
+    card = (heads_dir / "README.md").read_text() + "\nEdited after training (selfspec tune, say).\n"
+    (heads_dir / "README.md").write_text(card)
+    lines = metrics.read_text()
+    train_in_process(config, "--resume")  # the same command again in the next session
+    assert (heads_dir / "README.md").read_text() == card
+    assert metrics.read_text() == lines
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_resuming_with_other_heads_names_the_changed_keys(world, monkeypatch):
+    config = interrupted(world, monkeypatch, "reshaped")
+    with pytest.raises(ValueError, match=r"config changed since: heads\.exit_layers"):
+        train_in_process(config, "--resume", "--heads.exit_layers", "[1,2]")

@@ -158,6 +158,20 @@ def make_schedule(optimizer: torch.optim.Optimizer, config) -> torch.optim.lr_sc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, config))
 
 
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler, config) -> None:
+    """Put the config's `lr`, `beta1`, `beta2` and `weight_decay` into an optimizer and schedule that a checkpoint
+    restored: `load_state` brings back the values of the session that wrote it (its param groups and the schedule's
+    base_lrs), so a resumed run with `--train.lr` (the advice after a non-finite loss) would train with the old ones.
+    The step count, Adam's moments and the schedule's position stay as restored."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps the LambdaLR
+    decays = (config.weight_decay, 0.0)  # make_optimizer's groups: the matrices, then the rest
+    lr = config.lr * learning_rate_factor(inner.last_epoch, config)
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+        group.update(initial_lr=config.lr, lr=lr, betas=(config.beta1, config.beta2), weight_decay=decay)
+    inner.base_lrs = [config.lr] * len(optimizer.param_groups)
+    inner._last_lr = [lr] * len(optimizer.param_groups)
+
+
 # Checkpoints -------------------------------------------------------------------------------------
 
 CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
@@ -205,8 +219,16 @@ def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
 def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progress: Progress) -> None:
     """Load a checkpoint (the registered `progress` included), say which config values changed since, and drop
     what the interrupted session left after it: unfinished checkpoints and later metrics."""
-    accelerator.load_state(str(checkpoint))
     changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
+    try:
+        accelerator.load_state(str(checkpoint))
+    except (RuntimeError, ValueError, KeyError) as error:  # torch's "Error(s) in loading state_dict ...", param groups
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"--resume: {checkpoint} does not fit what this config builds (config changed since: "
+            f"{', '.join(changed) or 'nothing'}); a resumed run keeps the model, heads and LoRA it started with: "
+            f"resume with those settings, or start a new run in another output_dir ({first})"
+        ) from error
     accelerator.print(
         f"resumed from {checkpoint} at step {progress.step}"
         + (f"; config changed since: {', '.join(changed)}" if changed else "")

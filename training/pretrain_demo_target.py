@@ -34,6 +34,7 @@ from selfspec.training.config import save_config
 
 from common import (
     Progress,
+    apply_optimizer_config,
     argument_parser,
     checkpoint_to_resume,
     complete_checkpoints,
@@ -354,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = checkpoint_to_resume(run_dir, args.resume)
     if checkpoint is not None:
         restore_checkpoint(accelerator, config, checkpoint, progress)
+        apply_optimizer_config(optimizer, scheduler, tc)
     progress.commands.append(launch_command())
 
     parameters = sum(p.numel() for p in model.parameters())

@@ -49,13 +49,14 @@ from selfspec.measure.profile import (
     with_first_tokens,
 )
 from selfspec.targets import load_model
-from selfspec.training.config import TargetConfig, TrainHeadsConfig, save_config
+from selfspec.training.config import TargetConfig, TrainHeadsConfig, load_config, save_config
 from selfspec.training.data import copy_pool, copy_rows, load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
 from selfspec.training.feature_cache import FeatureCache, rows_digest
 
 from common import (
     Progress,
+    apply_optimizer_config,
     argument_parser,
     check_process_count,
     checkpoint_to_resume,
@@ -95,23 +96,23 @@ def build_heads(config: TrainHeadsConfig, adapter: ModelAdapter) -> DraftHeads:
     """Untrained heads of the configured kind (`selfspec.heads.KINDS`; the config checked the name), with the
     draft-only LoRA when `lora.r` asks for one."""
     heads = KINDS[config.heads.kind].from_config(config.heads, adapter)
+    lc = config.lora
+    if lc.r:  # peft builds the draft-only adapter on the LM head; its factors train with the heads
+        heads.draft_lora = DraftLoRA.from_peft(
+            adapter.lm_head, peft_lora_config(lc.r, lc.alpha, lc.dropout, lc.rslora, lc.init)
+        )
     if config.heads.init_from is not None:  # start from trained heads of the same shape (fine-tuning)
         start = load_heads(config.heads.init_from, adapter)
         if type(start) is not type(heads):
             raise ValueError(f"heads.init_from {config.heads.init_from} holds {start.kind} heads; the config trains "
                              f"{heads.kind} heads")  # fmt: skip
         try:
-            heads.start_from(start)
+            heads.start_from(start)  # its draft LoRA too, where both have one
         except (RuntimeError, HeadsMismatchError) as error:
             raise ValueError(
                 f"heads.init_from {config.heads.init_from} does not fit the heads this config builds (compare its "
-                f"config.json with the config's heads section): {error}"
+                f"config.json with the config's heads and lora sections): {error}"
             ) from error
-    lc = config.lora
-    if lc.r:  # peft builds the draft-only adapter on the LM head; its factors train with the heads
-        heads.draft_lora = DraftLoRA.from_peft(
-            adapter.lm_head, peft_lora_config(lc.r, lc.alpha, lc.dropout, lc.rslora, lc.init)
-        )
     return heads
 
 
@@ -214,6 +215,7 @@ class Run:
         checkpoint = checkpoint_to_resume(self.out, resume)
         if checkpoint is not None:
             restore_checkpoint(accelerator, config, checkpoint, self.progress)
+            apply_optimizer_config(self.optimizer, self.scheduler, tc)  # --train.lr on resume takes effect
         self.progress.commands.append(launch_command())
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
@@ -312,9 +314,30 @@ class Run:
             )
         return rows
 
+    def finished_before(self) -> bool:
+        """Whether a resumed run had already ended: its last checkpoint is at train.max_steps or later and heads_dir
+        holds the heads of that step (the summary written after them says so). Ending it again would rewrite
+        heads_dir and its card (what `selfspec tune` changed since included) and log the last evaluation twice."""
+        summary_path = self.out / "training_summary.json"
+        if self.progress.step < self.config.train.max_steps or not summary_path.exists():
+            return False
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        heads_dir = Path(self.config.heads_dir)
+        return (
+            summary.get("steps") == self.progress.step
+            and Path(summary.get("heads_dir", "")).resolve() == heads_dir.resolve()
+            and (heads_dir / "config.json").exists()
+        )
+
     def train(self) -> None:
         config, acc, progress = self.config, self.accelerator, self.progress
         tc, lc = config.train, config.logging
+        if self.finished_before():
+            acc.print(
+                f"the run ended at step {progress.step} and wrote {config.heads_dir}: nothing to do (raise "
+                "train.max_steps to train on)"
+            )
+            return
         if lc.report_to == "wandb":  # a resumed session continues the same W&B run
             wandb = {"dir": os.environ.get("WANDB_DIR", str(self.out)), "resume": "allow"}
             wandb.update(name=lc.run_name or Path(config.heads_dir).name, id=progress.tracker_run_id)
@@ -485,8 +508,15 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
             raise NotADirectoryError(f"{option} {given}: {existing} is a file, where the run writes a folder")
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
         return
-    if resume and complete_checkpoints(Path(config.output_dir) / "checkpoints"):
-        return
+    checkpoints = complete_checkpoints(output_dir / "checkpoints") if resume else []
+    if checkpoints:  # the run being resumed may replace the folder it writes, not one named anew
+        started = load_config(TrainHeadsConfig, checkpoints[-1] / "config.yaml").heads_dir
+        if Path(started).resolve() == heads_dir.resolve():
+            return
+        raise FileExistsError(
+            f"heads_dir {heads_dir} already exists and the run in {output_dir} was writing {started}: pass "
+            "--overwrite to replace it, or resume with the heads_dir the run started with"
+        )
     raise FileExistsError(
         f"heads_dir {heads_dir} already exists and this run would replace it: pass --overwrite to replace it, "
         "or choose another folder (--heads_dir PATH)"

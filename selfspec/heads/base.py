@@ -119,7 +119,21 @@ class DraftHeads(nn.Module):
     def start_from(self, start: DraftHeads) -> None:
         """Take the trained weights of `start`, heads of this kind (`heads.init_from`): the same shape, else
         RuntimeError (or HeadsMismatchError, where a kind accepts some other shapes)."""
-        self.load_state_dict(start.state_dict())
+        self.load_state_dict(self.start_state(start))
+
+    def start_state(self, start: DraftHeads) -> dict[str, torch.Tensor]:
+        """`start`'s weights for these heads: with its draft LoRA where both have one; where only these heads have
+        one, theirs stays as built (a fresh adapter on trained heads); a start with a LoRA these heads lack is
+        refused (HeadsMismatchError), since dropping it would change what the start drafts."""
+        state = start.state_dict()
+        if start.draft_lora is not None and self.draft_lora is None:
+            raise HeadsMismatchError(
+                f"the start has a draft LoRA (r={start.draft_lora.r}) and these heads none: set lora.r (and alpha) "
+                "as the start's config.json gives them to train it on, or start from heads without one"
+            )
+        if self.draft_lora is not None and start.draft_lora is None:
+            state.update({f"draft_lora.{name}": t for name, t in self.draft_lora.state_dict().items()})
+        return state
 
     def draft_names(self) -> list[str]:
         """One name per draft, `<kind>_<depth>`, in order: evaluations, tables and `Costs` are keyed by them."""

@@ -157,7 +157,7 @@ class EagleHeads(DraftHeads):
         as `start` does: each grown weight keeps `start`'s values in its leading block; the new MLP units' inputs
         (rows of the gate and up projections) keep this head's fresh initialisation and their outputs (columns of
         the down projection) start at zero, so they add nothing until training moves them."""
-        mine, theirs = self.state_dict(), start.state_dict()
+        mine, theirs = self.state_dict(), self.start_state(start)
         narrow, wide = start.layer_config.get("intermediate_size"), self.layer_config.get("intermediate_size")
         if narrow is None or wide is None or narrow > wide:
             raise HeadsMismatchError(f"widened_from: a head can only grow its MLP (from {narrow} to {wide} units).")

@@ -59,7 +59,9 @@ def measure_costs(
 
     ids, positions = after(1)
     # timed as generation runs them: in the target's dtype (training keeps float32 heads on a half-precision target)
-    heads = copy.deepcopy(heads).to(dtype=adapter.dtype)
+    # and in eval mode: a draft LoRA's dropout would time another computation and draw from the global RNG, which
+    # a resumed training run restored (it measures c at the start of every session)
+    heads = copy.deepcopy(heads).to(dtype=adapter.dtype).eval()
     timers = heads.cost_timers(adapter, ids, positions, hidden, vocab)  # {label: (call, drafts charged)}
     calls: dict[object, Callable[[object], object]] = {"step": full(1)}
     calls.update({label: call for label, (call, _) in timers.items()})
