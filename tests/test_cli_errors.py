@@ -149,6 +149,7 @@ def train_heads_args(argv: list[str]):
     [
         (["--overwrit", "--train.max_steps", "2"], r"unknown option --overwrit \(did you mean --overwrite\?\)"),
         (["--resum"], r"unknown option --resum \(did you mean --resume\?\)"),
+        (["--train.resume"], r"unknown option --train.resume \(did you mean --resume\?\)"),
         (["--train.max_step", "3"], r"unknown option --train.max_step \(did you mean --train.max_steps\?\)"),
         (["--train.max_steps"], "--train.max_steps needs a value"),
         (["--train.max_steps", "--data.seq_len", "64"], "--train.max_steps needs a value"),

@@ -966,3 +966,19 @@ def test_resuming_with_other_heads_names_the_changed_keys(world, monkeypatch):
     config = interrupted(world, monkeypatch, "reshaped")
     with pytest.raises(ValueError, match=r"config changed since: heads\.exit_layers"):
         train_in_process(config, "--resume", "--heads.exit_layers", "[1,2]")
+
+
+def test_resuming_on_other_training_rows_is_refused_unless_the_data_config_changed(world, monkeypatch, capsys):
+    """The data files made again between sessions (same config) would reorder the rows under a resumed run; a run
+    told of new data (a data.* key changed) goes on and says so."""
+    own = world["root"] / "rows_data"
+    own.mkdir()
+    lines = (world["data"] / "train.jsonl").read_text().splitlines(keepends=True)
+    (own / "train.jsonl").write_text("".join(lines))
+    config = interrupted(world, monkeypatch, "rows", **{"data.source": str(own / "train.jsonl")})
+    (own / "train.jsonl").write_text("".join(reversed(lines)))  # the same rows, made again in another order
+    with pytest.raises(ValueError, match="the training rows differ from those the run in .* started with, and the"):
+        train_in_process(config, "--resume")
+    (own / "other.jsonl").write_text("".join(reversed(lines)))
+    train_in_process(config, "--resume", "--data.source", str(own / "other.jsonl"))
+    assert "the training rows differ from those the run started with (data.source changed)" in capsys.readouterr().out

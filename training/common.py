@@ -83,7 +83,8 @@ def check_overrides(parser: argparse.ArgumentParser, config_type: type, override
             raise SystemExit(f"{parser.prog}: unexpected argument {arg!r}; config keys are overridden with "
                              "--section.key VALUE")  # fmt: skip
         if key not in keys and not key.startswith(tuple(open_keys)):
-            close = difflib.get_close_matches(key, flags + keys, n=1)
+            flag = "--" + key.rsplit(".", 1)[-1].lstrip("-")  # --train.resume: the --resume flag under a section
+            close = [flag] if flag in flags else difflib.get_close_matches(key, flags + keys, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise SystemExit(f"{parser.prog}: unknown option {key}{hint}; config keys are overridden with "
                              "--section.key VALUE")  # fmt: skip
@@ -125,6 +126,7 @@ class Progress:
     untrained: dict | None = None  # heads: held-out figures of the untrained heads, measured once
     trained: dict | None = None  # heads: the most recent held-out figures
     tracker_run_id: str | None = None  # heads: the W&B run that a resumed session continues
+    rows_digest: str | None = None  # heads: the training rows' digest (`check_same_rows`)
     commands: list[str] = field(default_factory=list)  # the command of every session
 
     def state_dict(self) -> dict:
@@ -132,6 +134,26 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.__init__(**state)
+
+
+def check_same_rows(progress: Progress, digest: str, config, checkpoint: Path | None, say) -> None:
+    """A resumed run trains on the rows it started with: `digest` (of the training rows, in order) against the one
+    its checkpoint recorded. Where they differ, a run whose config's data section changed says so and goes on; one
+    whose config did not (the data files were re-made or edited since) is refused. Records `digest`."""
+    started, progress.rows_digest = progress.rows_digest, digest
+    if checkpoint is None or started is None or started == digest:
+        return
+    changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
+    changed = [key for key in changed if key.startswith("data.")]
+    if changed:
+        say(f"the training rows differ from those the run started with ({', '.join(changed)} changed): it goes on "
+            f"with the new rows from step {progress.step}")  # fmt: skip
+        return
+    raise ValueError(
+        f"--resume: the training rows differ from those the run in {checkpoint.parent.parent} started with, and the "
+        "config's data section did not change: the data files were made again or edited since. Resume with the same "
+        "files, or start a new run in another output_dir"
+    )
 
 
 # Optimizer and schedule --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from common import (
     apply_optimizer_config,
     argument_parser,
     check_process_count,
+    check_same_rows,
     checkpoint_to_resume,
     complete_checkpoints,
     launch_command,
@@ -206,6 +207,7 @@ class Run:
             draft_ids = self.vocab.ids if self.vocab is not None else None
             self.copy_pool = copy_pool(vocab_size, tokenizer.all_special_ids, draft_ids)
             self.copy_eval = copy_rows(self.copy_pool, COPY_EVAL_ROWS, tc.copy_segment, tc.copy_repeats, -1)
+        self.rows_digest = rows_digest(self.rows.train.with_format("numpy")["input_ids"])
         self.cache = self.feature_cache() if tc.feature_cache else None
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
@@ -216,6 +218,7 @@ class Run:
         if checkpoint is not None:
             restore_checkpoint(accelerator, config, checkpoint, self.progress)
             apply_optimizer_config(self.optimizer, self.scheduler, tc)  # --train.lr on resume takes effect
+        check_same_rows(self.progress, self.rows_digest, config, checkpoint, accelerator.print)
         self.progress.commands.append(launch_command())
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
@@ -232,7 +235,7 @@ class Run:
         # bfloat16 under bf16 autocast; else the model's own dtype (fp16 autocast keeps float32 sums that fp16 could
         # not hold)
         dtype = "bfloat16" if acc.mixed_precision == "bf16" else str(self.model.dtype).removeprefix("torch.")
-        digests = {"target": self.target_digest, "rows": rows_digest(self.rows.train.with_format("numpy")["input_ids"])}
+        digests = {"target": self.target_digest, "rows": self.rows_digest}
         with acc.local_main_process_first():  # the folder is per machine (node-local disk)
             cache = FeatureCache(
                 self.config.train.feature_cache, num_rows=len(self.rows.train), seq_len=self.config.data.seq_len,
