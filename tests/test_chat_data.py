@@ -210,6 +210,12 @@ def test_a_run_resumes_stops_at_its_limit_and_packs_what_training_reads(tmp_path
     ).read_bytes()
     run(tmp_path / "elsewhere", target, "--resume_from", str(packed), monkeypatch=monkeypatch)  # a run there: kept
     assert "continuing" not in capsys.readouterr().out
+    # a restore killed before its last file (settings.json) left a torn rows.jsonl: the next one restores again
+    (tmp_path / "torn" / "run").mkdir(parents=True)
+    (tmp_path / "torn" / "run" / "rows.jsonl").write_bytes((tmp_path / "run" / "rows.jsonl").read_bytes()[:50])
+    run(tmp_path / "torn", target, "--resume_from", str(packed), monkeypatch=monkeypatch)
+    assert "continuing the run packed in" in capsys.readouterr().out
+    assert (tmp_path / "torn" / "run" / "rows.jsonl").read_bytes() == (tmp_path / "run" / "rows.jsonl").read_bytes()
     with pytest.raises(SystemExit, match="no packed run there"):
         run(tmp_path / "third", target, "--resume_from", str(tmp_path), monkeypatch=monkeypatch)
 

@@ -284,8 +284,9 @@ def nearest_existing(path: Path) -> Path:
 @contextmanager
 def staged_folder(path: Path, keep_others: bool = False) -> Iterator[Path]:
     """A staging folder beside `path` to write into, renamed to `path` when the block ends without an error (removed
-    when it raises): a crash leaves the old folder or the new one. With `keep_others`, the entries of an existing
-    folder at `path` that the block did not write are carried over (hard-linked, or copied), not deleted."""
+    when it raises): a crash leaves the old folder or the new one (killed between the two renames that replace an
+    existing folder, the old one in a hidden `.NAME.old.*` folder beside it). With `keep_others`, the entries of an
+    existing folder at `path` that the block did not write are carried over (hard-linked, or copied), not deleted."""
     path = Path(os.path.abspath(path))  # "." or "out/..": its own name, staged beside it (".".parent is "." itself)
     cwd = Path.cwd()
     if path == cwd or path in cwd.parents:

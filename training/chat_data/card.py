@@ -132,15 +132,18 @@ def save_raw(out_dir: Path, dest: Path) -> None:
 
 
 def restore_raw(packed: Path, out_dir: Path) -> bool:
-    """Put a packed run's files back into an empty `out_dir`; False when `out_dir` already holds a run."""
-    if (out_dir / "rows.jsonl").exists() or (out_dir / "settings.json").exists():
+    """Put a packed run's files back into `out_dir`; False when `out_dir` already holds a run (its settings.json,
+    which a run writes first and a restore last: files a killed restore left without it are restored again)."""
+    if (out_dir / "settings.json").exists():
         return False
     if not (packed / "raw" / "settings.json.gz").exists():
         raise SystemExit(f"--resume_from {packed}: no packed run there (raw/settings.json.gz)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in RAW:
+    for name in RAW:  # settings.json last
         if (packed / "raw" / f"{name}.gz").exists():
-            (out_dir / name).write_bytes(gzip.decompress((packed / "raw" / f"{name}.gz").read_bytes()))
+            staged = out_dir / f"{name}.restoring"
+            staged.write_bytes(gzip.decompress((packed / "raw" / f"{name}.gz").read_bytes()))
+            staged.replace(out_dir / name)
     return True
 
 
