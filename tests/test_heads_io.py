@@ -65,6 +65,10 @@ def test_the_current_folder_is_refused_by_name(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="current folder"):
             heads.save_pretrained(path)
     assert list((tmp_path / "here").iterdir()) == []  # nothing left behind
+    (tmp_path / "link").symlink_to(tmp_path)  # the current folder named through a symlinked parent
+    with pytest.raises(ValueError, match="current folder"):
+        heads.save_pretrained(tmp_path / "link" / "here")
+    assert (tmp_path / "here").is_dir() and list((tmp_path / "here").iterdir()) == []
     heads.save_pretrained("sub")  # a folder inside it is fine
     written = sorted(p.name for p in (tmp_path / "here/sub").iterdir())
     assert written == ["README.md", "config.json", "model.safetensors"]

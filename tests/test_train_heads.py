@@ -825,6 +825,8 @@ def test_init_from_heads_with_a_draft_lora(world):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match=r"has a draft LoRA \(r=4\) and these heads none: set lora.r"):
         built(f"--heads.init_from={world['root'] / 'start_lora'}")
+    with pytest.raises(ValueError, match=r"the start's draft LoRA has r=4, lora_alpha=8.0.* lora_alpha=32"):
+        built("--lora.r=4", f"--heads.init_from={world['root'] / 'start_lora'}")  # alpha's default: another scale
     plain = built()
     plain.save_pretrained(world["root"] / "start_plain")
     fresh = built(*lora, f"--heads.init_from={world['root'] / 'start_plain'}")
@@ -918,13 +920,20 @@ def test_a_resumed_run_trains_with_the_lr_it_is_given(world, monkeypatch):
     used, step = [], torch.optim.AdamW.step
 
     def recording(self, *args, **kwargs):
-        used.append(self.param_groups[0]["lr"])
+        used.append([(group["lr"], group["betas"], group["weight_decay"]) for group in self.param_groups])
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording)
-    train_in_process(config, "--resume", "--train.lr", "1e-4")
-    tc = load_config(TrainHeadsConfig, config, ["--train.lr", "1e-4"]).train
-    assert used == pytest.approx([1e-4 * learning_rate_factor(s, tc) for s in range(4, 8)])
+    given = ["--train.lr", "1e-4", "--train.beta2", "0.99", "--train.weight_decay", "0.05"]
+    train_in_process(config, "--resume", *given)
+    tc = load_config(TrainHeadsConfig, config, given).train
+    assert [[lr for lr, _, _ in groups] for groups in used] == [
+        pytest.approx([1e-4 * learning_rate_factor(s, tc)] * 2) for s in range(4, 8)
+    ]  # both groups: the matrices and the rest
+    assert {(betas, decay) for groups in used for _, betas, decay in groups} == {
+        ((tc.beta1, 0.99), 0.05),
+        ((tc.beta1, 0.99), 0.0),
+    }
 
 
 def test_resume_does_not_replace_another_existing_heads_folder(world, monkeypatch):
@@ -982,3 +991,24 @@ def test_resuming_on_other_training_rows_is_refused_unless_the_data_config_chang
     (own / "other.jsonl").write_text("".join(reversed(lines)))
     train_in_process(config, "--resume", "--data.source", str(own / "other.jsonl"))
     assert "the training rows differ from those the run started with (data.source changed)" in capsys.readouterr().out
+
+
+def test_a_model_folder_as_heads_dir_is_refused_before_training(world, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(world["root"] / "hf_datasets"))
+    config = write_config(world, "into_model", **{"heads.exit_layers": [2], "train.max_steps": 2, "eval.every": 2})
+    for extra in ((), ("--overwrite",)):
+        with pytest.raises(SystemExit, match=f"{world['target']} holds a config.json that is not a heads folder's"):
+            train_in_process(config, "--heads_dir", str(world["target"]), *extra)
+    assert not (world["root"] / "into_model" / "run").exists()  # refused before any work
+
+
+def test_the_rows_digest_is_read_in_slices_and_equals_the_whole_columns():
+    import datasets as hf_datasets
+    import numpy as np
+
+    from selfspec.training.feature_cache import rows_digest, rows_digest_of
+
+    ids = np.arange(7 * 5).reshape(7, 5)
+    rows = hf_datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+    assert rows_digest_of(rows, chunk=3) == rows_digest_of(rows) == rows_digest(ids)
+    assert rows_digest_of(rows.select([1, 0, *range(2, 7)]), chunk=3) != rows_digest(ids)  # the order counts

@@ -245,6 +245,8 @@ def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progr
     try:
         accelerator.load_state(str(checkpoint))
     except (RuntimeError, ValueError, KeyError) as error:  # torch's "Error(s) in loading state_dict ...", param groups
+        if isinstance(error, RuntimeError) and "state_dict" not in str(error):
+            raise  # out of memory and the like: not a config that changed
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(
             f"--resume: {checkpoint} does not fit what this config builds (config changed since: "

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from selfspec.adapter import ModelAdapter
 from selfspec.heads import KINDS, DraftHeads, HeadsMismatchError, load_heads
-from selfspec.heads.base import nearest_existing
+from selfspec.heads.base import check_not_a_model, nearest_existing
 from selfspec.heads.lora import DraftLoRA, peft_lora_config
 from selfspec.measure.profile import (
     configure_wandb,
@@ -52,7 +52,7 @@ from selfspec.targets import load_model
 from selfspec.training.config import TargetConfig, TrainHeadsConfig, load_config, save_config
 from selfspec.training.data import copy_pool, copy_rows, load_rows, row_tensors
 from selfspec.training.distill import DistillationObjective, state_digest, target_pass, target_states
-from selfspec.training.feature_cache import FeatureCache, rows_digest
+from selfspec.training.feature_cache import FeatureCache, rows_digest_of
 
 from common import (
     Progress,
@@ -207,7 +207,7 @@ class Run:
             draft_ids = self.vocab.ids if self.vocab is not None else None
             self.copy_pool = copy_pool(vocab_size, tokenizer.all_special_ids, draft_ids)
             self.copy_eval = copy_rows(self.copy_pool, COPY_EVAL_ROWS, tc.copy_segment, tc.copy_repeats, -1)
-        self.rows_digest = rows_digest(self.rows.train.with_format("numpy")["input_ids"])
+        self.rows_digest = rows_digest_of(self.rows.train)  # in slices: the column whole is GBs on a large set
         self.cache = self.feature_cache() if tc.feature_cache else None
         optimizer = make_optimizer(objective, tc)
         scheduler = make_schedule(optimizer, tc)
@@ -509,6 +509,8 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
         existing = nearest_existing(folder)
         if not existing.is_dir():
             raise NotADirectoryError(f"{option} {given}: {existing} is a file, where the run writes a folder")
+    if heads_dir.is_dir():
+        check_not_a_model(heads_dir)  # save_pretrained refuses it: say so now, not after training (--overwrite too)
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
         return
     checkpoints = complete_checkpoints(output_dir / "checkpoints") if resume else []

@@ -131,6 +131,16 @@ class DraftHeads(nn.Module):
                 f"the start has a draft LoRA (r={start.draft_lora.r}) and these heads none: set lora.r (and alpha) "
                 "as the start's config.json gives them to train it on, or start from heads without one"
             )
+        if start.draft_lora is not None and self.draft_lora is not None:
+            # alpha and rslora are no weights: load_state_dict would take the factors under another scaling
+            keys = ("r", "lora_alpha", "use_rslora")
+            theirs, mine = start.draft_lora.settings(), self.draft_lora.settings()
+            if any(theirs[k] != mine[k] for k in keys):
+                raise HeadsMismatchError(
+                    f"the start's draft LoRA has {', '.join(f'{k}={theirs[k]}' for k in keys)}, these heads' "
+                    f"{', '.join(f'{k}={mine[k]}' for k in keys)}: set lora.r, lora.alpha and lora.rslora as the "
+                    "start's config.json gives them"
+                )
         if self.draft_lora is not None and start.draft_lora is None:
             state.update({f"draft_lora.{name}": t for name, t in self.draft_lora.state_dict().items()})
         return state
@@ -205,7 +215,7 @@ class DraftHeads(nn.Module):
     ) -> None:
         """Write config, weights and card atomically: a crash leaves the old folder or the new one. `dtype`: the
         floating-point weights' dtype in the file (default: as they are); loading casts them to the heads' own.
-        Other files in an existing folder (a draft_vocab.json, notes) stay; a folder whose config.json is a model's is
+        Other files in an existing folder (notes, evaluations) stay; a folder whose config.json is a model's is
         refused (FileExistsError): it would lose the model's config and weights."""
         state = {name: tensor.detach() for name, tensor in self.state_dict().items()}
         if dtype is not None:
@@ -288,8 +298,8 @@ def staged_folder(path: Path, keep_others: bool = False) -> Iterator[Path]:
     existing folder, the old one in a hidden `.NAME.old.*` folder beside it). With `keep_others`, the entries of an
     existing folder at `path` that the block did not write are carried over (hard-linked, or copied), not deleted."""
     path = Path(os.path.abspath(path))  # "." or "out/..": its own name, staged beside it (".".parent is "." itself)
-    cwd = Path.cwd()
-    if path == cwd or path in cwd.parents:
+    cwd, real = Path.cwd(), Path(os.path.realpath(path))  # getcwd() is real: compare real paths (symlinked parents)
+    if real == cwd or real in cwd.parents:
         raise ValueError(
             f"{path} is the current folder or holds it: it cannot be replaced while in use; name a folder inside it"
         )

@@ -38,6 +38,17 @@ def rows_digest(input_ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes()).hexdigest()
 
 
+def rows_digest_of(rows, chunk: int = 4096) -> str:
+    """`rows_digest` of a dataset's `input_ids`, read `chunk` rows at a time (the same digest: the same bytes in
+    order), so that the whole column is never held in memory at once."""
+    digest = hashlib.sha256()
+    numpy_rows = rows.with_format("numpy")
+    for start in range(0, len(rows), chunk):
+        ids = numpy_rows[start : start + chunk]["input_ids"]
+        digest.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
 class CachedStates(Sequence):
     """A forward's `hidden_states` (entries 0..L, the last one normed) of which only some are kept: the kept
     ones by index (negative ones count from the end), a named error for any other."""
