@@ -136,14 +136,14 @@ class Progress:
         self.__init__(**state)
 
 
-def check_same_rows(progress: Progress, digest: str, config, checkpoint: Path | None, say) -> None:
+def check_same_rows(progress: Progress, digest: str, checkpoint: Path | None, changed: list[str], say) -> None:
     """A resumed run trains on the rows it started with: `digest` (of the training rows, in order) against the one
-    its checkpoint recorded. Where they differ, a run whose config's data section changed says so and goes on; one
-    whose config did not (the data files were re-made or edited since) is refused. Records `digest`."""
+    its `checkpoint` recorded. Where they differ, a run whose config's data section changed (`changed`: the keys
+    `restore_checkpoint` found changed) says so and goes on; one whose config did not (the data files were re-made
+    or edited since) is refused. Records `digest`."""
     started, progress.rows_digest = progress.rows_digest, digest
     if checkpoint is None or started is None or started == digest:
         return
-    changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
     changed = [key for key in changed if key.startswith("data.")]
     if changed:
         say(f"the training rows differ from those the run started with ({', '.join(changed)} changed): it goes on "
@@ -238,9 +238,9 @@ def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
     return final
 
 
-def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progress: Progress) -> None:
+def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progress: Progress) -> list[str]:
     """Load a checkpoint (the registered `progress` included), say which config values changed since, and drop
-    what the interrupted session left after it: unfinished checkpoints and later metrics."""
+    what the interrupted session left after it: unfinished checkpoints and later metrics. Returns the changed keys."""
     changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
     try:
         accelerator.load_state(str(checkpoint))
@@ -261,6 +261,7 @@ def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progr
         for stale in (Path(config.output_dir) / "checkpoints").glob("partial_step_*"):
             shutil.rmtree(stale)
         truncate_metrics(Path(config.output_dir) / "metrics.jsonl", progress.step)
+    return changed
 
 
 def truncate_metrics(path: Path, step: int) -> None:

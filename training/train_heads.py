@@ -215,10 +215,11 @@ class Run:
         self.progress = Progress()
         accelerator.register_for_checkpointing(self.progress)
         checkpoint = checkpoint_to_resume(self.out, resume)
+        changed = []
         if checkpoint is not None:
-            restore_checkpoint(accelerator, config, checkpoint, self.progress)
+            changed = restore_checkpoint(accelerator, config, checkpoint, self.progress)
             apply_optimizer_config(self.optimizer, self.scheduler, tc)  # --train.lr on resume takes effect
-        check_same_rows(self.progress, self.rows_digest, config, checkpoint, accelerator.print)
+        check_same_rows(self.progress, self.rows_digest, checkpoint, changed, accelerator.print)
         self.progress.commands.append(launch_command())
         self.process = (accelerator.process_index, accelerator.num_processes)
         held = config.eval.max_rows
