@@ -67,14 +67,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise SystemExit("--suffix_memory_tokens limits --suffix_memory: pass the chat data set too")
     if args.suffix_memory and args.batch_sizes:
         raise SystemExit("--suffix_memory adds contenders to the Spec-Bench or repeated runs, not to --batch_sizes")
+    # the runs other than the Spec-Bench prompts' (None: those)
+    other_run = "--batch_sizes" if args.batch_sizes else "--workload repeated" if args.workload == "repeated" else None
     variants = [flag for flag, _ in VARIANTS if getattr(args, flag)]
-    if variants and (args.batch_sizes or args.workload == "repeated"):
-        raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to "
-                         f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'}")  # fmt: skip
-    if args.temperature is not None and (args.batch_sizes or args.workload == "repeated"):
-        raise SystemExit(f"--temperature sets the sampling contenders of the Spec-Bench runs; "
-                         f"{'--batch_sizes' if args.batch_sizes else '--workload repeated'} measures greedy "
-                         "decoding")  # fmt: skip
+    if variants and other_run:
+        raise SystemExit(f"--{variants[0]} adds variants to the Spec-Bench prompts' contenders, not to {other_run}")
+    if args.temperature is not None and other_run:
+        raise SystemExit(f"--temperature sets the sampling contenders of the Spec-Bench runs; {other_run} measures "
+                         "greedy decoding")  # fmt: skip
     if args.temperature is not None and args.no_sampling:
         raise SystemExit("--temperature sets the sampling contenders, which --no_sampling leaves out")
     args.temperature = BENCH_TEMPERATURE if args.temperature is None else args.temperature
