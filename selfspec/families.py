@@ -22,9 +22,10 @@ A model family is supported when selfspec can drive its stock transformers layer
   4. Mask: full and sliding-window layers may mix only where the forward takes a {layer type: 4D mask}
      dict (tree verification passes one mask per type).
   5. Rope depends on the position alone (per layer type is fine, NoPE layers too; llama3 and yarn
-     scaling are). Frequencies that depend on the pass are handled where the switch is known: Phi3
-     longrope (verify passes never straddle it); dynamic NTK changes only past max_position_embeddings,
-     which selfspec never generates past.
+     scaling are). Frequencies that depend on the pass are handled where the switch is known: longrope
+     (verify passes never straddle it, and where generate recomputes its cache at the switch, Phi3's,
+     selfspec does too); dynamic NTK changes only past max_position_embeddings, which selfspec never
+     generates past.
   6. Logits: the causal LM may scale its LM head's output (Granite divides by logits_scaling, Cohere2
      multiplies by logit_scale) and soft-cap it (final_logit_softcapping); drafts apply the same.
 A family joins the supported list only with a tiny config in tests/tiny_models.py that passes the
@@ -45,6 +46,9 @@ class Family:
     multiply_embeddings_by: str | None = None  # config attribute the stack multiplies the token embeddings by
     position_table: str | None = None  # stack attribute of a learned position embedding added to them
     input_norm: str | None = "input_layernorm"  # decoder layer attribute of its pre-attention norm (None: none)
+    # generate drops its cache and recomputes every position in one pass once the sequence first holds
+    # config.original_max_position_embeddings + 1 tokens, so that longrope's long frequencies rotate the past keys too
+    recomputes_at_rope_switch: bool = False
 
 
 def _llama_like(**extra) -> Family:
@@ -55,7 +59,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Family] = {
     "llama": _llama_like(),
     "qwen2": _llama_like(mixed_masks=True),
     "mistral": _llama_like(),
-    "phi3": _llama_like(),
+    "phi3": _llama_like(recomputes_at_rope_switch=True),
     "gemma": _llama_like(),
     "gemma2": _llama_like(mixed_masks=True),
     "gpt2": Family("transformer", "h", "ln_f", position_table="wpe", input_norm="ln_1"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import eagle_heads
 from tiny_models import ARCHITECTURES, random_prompt, tiny_model
 
 from selfspec import SelfSpeculative
@@ -82,24 +83,34 @@ def test_greedy_with_processors_matches_generate(model):
     assert torch.equal(actual, expected)
 
 
-def test_longrope_verify_passes_never_straddle_the_switch():
-    """Phi3 longrope picks long frequencies for a whole forward once any position passes
-    original_max_position_embeddings; plain decoding computes the positions before it with short ones."""
-    head_dim = 8
-    model = tiny_model(
-        "phi3",
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "short_factor": [1.0] * (head_dim // 2),
-            "long_factor": [8.0, 16.0, 32.0, 64.0],
-            "original_max_position_embeddings": 24,
-        },
-    )
-    for seed in range(4):
-        prompt = random_prompt(10, seed=seed)
-        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
-        actual = SelfSpeculative(model, exit_layer=1, num_draft_tokens=6).generate(
-            prompt, max_new_tokens=40, do_sample=False
-        )
-        assert torch.equal(actual, expected), seed
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0] * 4,  # head_dim 8
+    "long_factor": [8.0, 16.0, 32.0, 64.0],
+    "original_max_position_embeddings": 24,
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_longrope_switch_is_crossed_as_generate_crosses_it(arch):
+    """Longrope picks long frequencies for a whole forward once any position reaches
+    original_max_position_embeddings; plain decoding computes the positions before it with short ones, so a verify
+    pass never straddles it. Phi3's generate also drops its cache there and recomputes every position with the long
+    frequencies: the answer after the switch attends to past keys rotated by them. Prompts end before the switch,
+    on it and past it; chains of the exit drafter (which reuses its lower-layer entries) and n-gram lookup, and an
+    EAGLE dynamic tree."""
+    # Phi3's config field overrides the rope parameters' original_max_position_embeddings
+    model = tiny_model(arch, rope_parameters=dict(LONGROPE), original_max_position_embeddings=24)
+    assert model.config.rope_parameters["original_max_position_embeddings"] == 24
+    options = [
+        {"exit_layer": 1, "num_draft_tokens": 6},
+        {"drafter": "ngram"},
+        {"heads": eagle_heads(model), "tree": {"nodes": 8, "top_k": 3, "depth": 4}, "adaptive": False},
+    ]
+    for seed, length in [(0, 10), (1, 24), (2, 30)]:
+        prompt = random_prompt(length, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        for settings in options:
+            actual = SelfSpeculative(model, **settings).generate(prompt, max_new_tokens=30, do_sample=False)
+            assert torch.equal(actual, expected), (seed, length, settings)

@@ -142,6 +142,12 @@ class ModelAdapter:
         self.logit_divisor = getattr(config, family.divide_logits_by) if family.divide_logits_by else None
         self.logit_scale = getattr(config, family.multiply_logits_by) if family.multiply_logits_by else None
         self.rope_switch = _longrope_switch(config)
+        # the sequence index at which generate recomputes the cache with longrope's long frequencies (None: never)
+        self.rope_recompute_at = (
+            getattr(config, "original_max_position_embeddings", None)
+            if family.recomputes_at_rope_switch and self.rope_switch is not None
+            else None
+        )
         self._cache_keyword = cache_keyword(self.model.forward)
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)

@@ -109,6 +109,8 @@ class DecodingLoop:
             measured = costs if self.position_cost is None else None
             call.tree_controller = TreeController(costs, self.draft_cost)
         while not finished:
+            if self._at_rope_recompute(call):
+                self._recompute_cache(call)
             span = min(call.remaining, self._span_before_rope_switch(call))  # positions one verify may cover
             # a tree's deepest node sits `depth` positions after the pending token
             if tree is not None and span >= tree.max_depth + 1:
@@ -241,15 +243,36 @@ class DecodingLoop:
     # -------------------------------------------------------------------------------------- helpers
     def _span_before_rope_switch(self, call: Call) -> int:
         """How many positions from the pending tokens on one pass may cover without crossing a longrope
-        switch (plain decoding computes the positions before it with the short frequencies)."""
-        switch = self.adapter.rope_switch
+        switch (plain decoding computes the positions before it with the short frequencies), nor the sequence
+        index at which `generate` recomputes the cache (`_recompute_cache`), so that an iteration starts there."""
+        switch, recompute = self.adapter.rope_switch, self.adapter.rope_recompute_at
         if switch is None:
             return call.remaining + 1
         state = call.state
-        spans = [
-            switch - (state.length - 1 - pad) for pad in state.host_pad_offsets() if state.length - 1 - pad < switch
-        ]
+        positions = [state.length - 1 - pad for pad in state.host_pad_offsets()]
+        spans = [switch - position for position in positions if position < switch]
+        if recompute is not None:  # sequence indices as `generate` counts them: without the padding selfspec added
+            indices = [state.length - 1 - added for added in state.added_pad]
+            spans += [recompute - index for index in indices if index < recompute]
         return min(spans, default=call.remaining + 1)
+
+    def _at_rope_recompute(self, call: Call) -> bool:
+        """Whether the pending token sits at the sequence index where `generate` recomputes the cache."""
+        at = self.adapter.rope_recompute_at
+        return at is not None and call.state.length - 1 - call.state.added_pad[0] == at
+
+    def _recompute_cache(self, call: Call) -> None:
+        """What Phi3's `generate` does when the sequence first holds original_max_position_embeddings + 1 tokens:
+        drop the cache and compute every position again in one pass, pending token included, so that longrope's
+        long frequencies (chosen for a whole pass once a position reaches the switch) rotate the past keys too.
+        The pending token's entry is then dropped: the iteration's verify pass writes it (one prompt at a time:
+        `_check_batch`). The pass counts as part of the prefill."""
+        state = call.state
+        state.cache = self.adapter.new_cache(state.length + call.remaining + self.num_draft_tokens + 1)
+        with call.watch.section("prefill"):
+            args = (state.sequences, state.position_ids(0, state.length), state.cache)
+            self.adapter.forward(*args, state.attention_mask(state.length), logits_to_keep=1)
+        self.adapter.crop(state.cache, 1)
 
     def _check_batch(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
         """A batch: what runs one prompt at a time is refused. (Without `attention_mask`, the pad tokens are
