@@ -144,3 +144,28 @@ def test_batch_limits_are_explicit():
 
     with pytest.raises(UnsupportedGenerationArgument, match="streamer"):
         SelfSpeculative(model).generate(ids, attention_mask=mask, max_new_tokens=5, streamer=Collect())
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_batch_that_could_cross_a_longrope_switch_is_refused(arch):
+    """generate moves every row of a batch to longrope's long frequencies at one step, when its least padded row
+    reaches the switch (and Phi3's recomputes the cache then), whatever each row's own position: rows that accept
+    different numbers of drafts cannot follow it, and such batches used to leave generate's output. Batches that
+    stay before the switch, or start past it, are exact; the others are refused."""
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 4,
+        "long_factor": [8.0, 16.0, 32.0, 64.0],
+        "original_max_position_embeddings": 24,
+    }
+    model = tiny_model(arch, rope_parameters=rope, original_max_position_embeddings=24)
+    spec = SelfSpeculative(model, exit_layer=3, num_draft_tokens=4)
+    for lengths, new in [([10, 4], 15), ([30, 26], 30)]:  # positions up to 23; every row's from 26 on
+        ids, mask = padded_prompts(lengths, seed=5)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False), expected)
+    for lengths, seed in [([10, 4], 5), ([20, 6], 6), ([4, 12], 6), ([30, 10], 0)]:
+        ids, mask = padded_prompts(lengths, seed)
+        with pytest.raises(UnsupportedGenerationArgument, match="crosses the longrope switch"):
+            spec.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)

@@ -285,6 +285,26 @@ class DecodingLoop:
             )
         if self.drafters[0].tree is not None:
             raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
+        self._check_batch_rope(setup, input_ids)
+
+    def _check_batch_rope(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
+        """Refuse a batch whose generation could cross a longrope switch: `generate` moves every row to the long
+        frequencies at one step (its least padded row's position; Phi3's recomputes the cache by padded width), which
+        rows that accept different numbers of drafts, or leave the batch, cannot follow."""
+        switch, recompute, mask = self.adapter.rope_switch, self.adapter.rope_recompute_at, setup.attention_mask
+        if switch is None:
+            return
+        width, new = input_ids.shape[1], setup.max_new_tokens
+        pads = (mask == 0).sum(dim=1).tolist() if mask is not None else [0]
+        # generate's last pass: position width - 1 - min(pads) + new - 1, padded width width + new - 1
+        short = width - min(pads) + new - 2 < switch and (recompute is None or width + new - 2 < recompute)
+        if not short and width - max(pads) <= switch:  # nor is every row's first pending token past it
+            raise UnsupportedGenerationArgument(
+                f"This batch's generation crosses the longrope switch of {self.adapter.model_type} (position {switch}),"
+                " where generate moves every row to the long frequencies at one step, which rows that accept different "
+                "numbers of drafts cannot follow. Generate these prompts one at a time, or keep the padded width plus "
+                f"max_new_tokens within {switch + 1}."
+            )
 
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
         """One full pass over the prompts. Returns the call state, the first generated token [batch, 1]
