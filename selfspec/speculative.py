@@ -92,9 +92,9 @@ class SelfSpeculative(DecodingLoop):
             dict gives `torch.compile` options, e.g. {"mode": "reduce-overhead"} for CUDA graphs. The first calls
             compile (tens of seconds on a CPU). One prompt at a time, chains only, drafters that do not run the
             target's layers themselves (n-gram lookup, Medusa and EAGLE heads, hybrids of them; a drafter of your
-            own must not run the target on the cache in `draft`), models without sliding-window layers; calls on
-            one instance must not overlap (one cache). Greedy output stays token-identical to `model.generate` in
-            float32 (tested), and in half precision up to ties (see the README). Default: False.
+            own must not run the target on the cache in `draft`), models without sliding-window layers or dynamic rope
+            scaling; calls on one instance must not overlap (one cache). Greedy output stays token-identical to
+            `model.generate` in float32 (tested), and in half precision up to ties (see the README). Default: False.
         packed_weights: keep a copy of the target's float32 linear weights in oneDNN's blocked layout and multiply
             passes over several rows (verify passes, trees, the prompt, a batch's steps) with it, where MKL's kernels
             read a row-major weight slowly (`selfspec.adapter.packed`); one-position steps of one prompt keep

@@ -123,6 +123,10 @@ def test_what_it_cannot_run_is_refused():
         SelfSpeculative(model, drafter="ngram", compile={"dynamic": True})
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         SelfSpeculative(tiny_model("mistral"), drafter="ngram", compile=True)
+    # its frequency update branches on a tensor: the first compiled pass raised torch's Unsupported mid-call
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic rope scaling"):
+        SelfSpeculative(dynamic, drafter="ngram", compile=True)
     spec = SelfSpeculative(model, drafter="ngram", compile=True)
     with pytest.raises(UnsupportedGenerationArgument, match="one unpadded prompt at a time"):
         spec.generate(torch.cat([random_prompt(5)] * 2), max_new_tokens=4)

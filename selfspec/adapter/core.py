@@ -69,14 +69,19 @@ def cache_keyword(forward) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def _longrope_switch(config) -> int | None:
-    """The position past which longrope moves every position of a forward to its long frequencies (None: no
-    longrope). Rope parameters may be one dict or one per layer type (Gemma 3)."""
+def rope_settings(config) -> list[dict]:
+    """The model's rope parameters: one dict, or one per layer type (Gemma 3); [] without any."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     per_type = bool(rope) and all(isinstance(value, dict) for value in rope.values())
+    return list(rope.values()) if per_type else [rope] if rope else []
+
+
+def _longrope_switch(config) -> int | None:
+    """The position past which longrope moves every position of a forward to its long frequencies (None: no
+    longrope)."""
     switches = [
         settings["original_max_position_embeddings"]
-        for settings in (rope.values() if per_type else [rope])
+        for settings in rope_settings(config)
         if settings.get("rope_type") == "longrope"
     ]
     return min(switches) if switches else None

@@ -18,7 +18,8 @@ fused kernels (inductor's C++ backend on a CPU; Triton, and CUDA graphs with `mo
   output before the final norm is therefore not available.
 
 Limits: one prompt at a time, chains (no tree masks), no sliding-window attention layers (a static sliding
-layer cannot roll back), drafters that do not run the target's layers themselves (not the exit-head drafter).
+layer cannot roll back), no dynamic rope scaling (its update branches on a tensor), drafters that do not run the
+target's layers themselves (not the exit-head drafter).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import weakref
 import torch
 from transformers import CompileConfig, StaticCache
 
-from .core import FINAL, ModelAdapter, UnsupportedModelError
+from .core import FINAL, ModelAdapter, UnsupportedModelError, rope_settings
 
 ROOM = 256  # static caches are sized in multiples of this, so that nearby lengths share one cache and one graph
 
@@ -99,6 +100,12 @@ class CompiledAdapter(ModelAdapter):
             raise UnsupportedModelError(
                 f"compile=True uses a static cache, and {self.model_type} has sliding-window attention layers, whose "
                 "static form cannot roll back a rejected draft; use compile=False for this model."
+            )
+        if any("dynamic" in str(settings.get("rope_type")) for settings in rope_settings(self.config)):
+            raise UnsupportedModelError(
+                f"compile=True compiles whole graphs, and {self.model_type}'s dynamic rope scaling decides in Python, "
+                "from a tensor, whether to recompute its frequencies (torch.compile cannot trace that branch); use "
+                "compile=False for this model."
             )
         self._one, self._many = _compiled_passes(self.model, options)
         self._cache: StaticCache | None = None
