@@ -28,6 +28,23 @@ def test_the_index_finds_the_longest_match_and_its_occurrences():
     assert index.candidates([6, 9], 8, 10)[0] == 1  # a single token matches when no pair does
 
 
+def test_the_last_token_matches_where_its_pair_occurred_only_without_a_successor():
+    """The text being generated always ends with its own last pair: where that pair occurred nowhere else, its last
+    token's earlier occurrences are the match, as where no pair occurred at all (an earlier answer's last pair too)."""
+    from selfspec.measure.replay import OneRow
+
+    index = SuffixIndex()
+    text = [3, 4, 5, 9, 7, 5]  # the pair 7 5 only at its end; 5 alone at 2, followed by 9
+    uid = index.add(text)
+    assert index.candidates(text, max_match=8, max_candidates=10) == (1, [(index.sequences[uid], 3, uid)])
+    index.add([8, 7, 5])  # an answer that ends with 7 5
+    assert index.candidates([1, 7, 5], max_match=8, max_candidates=10)[0] == 1
+    drafter = SuffixDrafter(max_cached_requests=0)
+    drafter.begin(OneRow(text), None)
+    assert drafter.available(OneRow(text))
+    assert drafter.draft(OneRow(text), 4, None, False).tokens.tolist() == [[9]]
+
+
 def test_the_most_frequent_continuation_is_drafted_while_it_is_likely():
     index = SuffixIndex()
     for text in ([5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 7, 7]):

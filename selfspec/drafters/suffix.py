@@ -112,12 +112,17 @@ class SuffixIndex:
         token after it, and its most recent occurrences (at most `max_candidates`) as (sequence, where the token
         after it is, id). (0, []) when not even the last token occurred with a successor."""
         pair = context[-2] << 32 | context[-1] if len(context) >= 2 else None
-        if pair in self._pairs:
-            entries, known = self._pairs[pair], 2
-        elif context and context[-1] in self._singles:
-            entries, known = self._singles[context[-1]], 1
-        else:
-            return 0, []
+        # the last pair's occurrences, else the last token's: a pair may have occurred only at the end of a sequence,
+        # with nothing after it (the text being generated always ends with its own last pair)
+        for entries, known in ((self._pairs.get(pair), 2), (self._singles.get(context[-1]) if context else None, 1)):
+            if entries:
+                best, found = self._longest(entries, known, context, max_match, max_candidates)
+                if found:
+                    return best, found
+        return 0, []
+
+    def _longest(self, entries: array, known: int, context: list[int], max_match: int, max_candidates: int):
+        """`candidates` among `entries`, the occurrences of the last `known` tokens of `context`."""
         best, found = 0, []
         for entry in reversed(entries):
             uid, after = entry >> 32, entry & 0xFFFFFFFF
