@@ -45,6 +45,21 @@ def test_the_last_token_matches_where_its_pair_occurred_only_without_a_successor
     assert drafter.draft(OneRow(text), 4, None, False).tokens.tolist() == [[9]]
 
 
+def test_a_match_is_at_most_max_match_tokens_long():
+    """max_match_length=1 matches the last token alone: its drafts are at most max_spec_factor tokens long."""
+    from selfspec.measure.replay import OneRow
+
+    text = [5, 6, 9, 5, 6]
+    index = SuffixIndex()
+    index.add(text)
+    assert index.candidates(text, max_match=1, max_candidates=10)[0] == 1
+    assert index.candidates(text, max_match=2, max_candidates=10)[0] == 2
+    drafter = SuffixDrafter(max_match_length=1, max_cached_requests=0)
+    drafter.begin(OneRow(text), None)
+    assert drafter.available(OneRow(text))
+    assert drafter.draft(OneRow(text), 8, None, False).tokens.tolist() == [[9]]
+
+
 def test_the_most_frequent_continuation_is_drafted_while_it_is_likely():
     index = SuffixIndex()
     for text in ([5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 7, 7]):

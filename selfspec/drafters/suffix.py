@@ -111,7 +111,7 @@ class SuffixIndex:
         """The longest suffix of `context` (at most `max_match` tokens) that occurred in these sequences with a
         token after it, and its most recent occurrences (at most `max_candidates`) as (sequence, where the token
         after it is, id). (0, []) when not even the last token occurred with a successor."""
-        pair = context[-2] << 32 | context[-1] if len(context) >= 2 else None
+        pair = context[-2] << 32 | context[-1] if len(context) >= 2 and max_match >= 2 else None
         # the last pair's occurrences, else the last token's: a pair may have occurred only at the end of a sequence,
         # with nothing after it (the text being generated always ends with its own last pair)
         for entries, known in ((self._pairs.get(pair), 2), (self._singles.get(context[-1]) if context else None, 1)):
