@@ -196,6 +196,17 @@ def test_suffix_settings_are_checked():
         SelfSpeculative(tiny_model("llama"), drafter="suffix", exit_layer=2)
 
 
+def test_an_infinite_spec_factor_drafts_up_to_num_speculative_tokens():
+    """max_spec_factor is checked as a positive number, so inf (no bound per matched token) is taken: it drafts."""
+    from selfspec.measure.replay import OneRow
+
+    text = [5, 6, 7, 8, 9, 5, 6]
+    drafter = SuffixDrafter(num_speculative_tokens=4, max_spec_factor=float("inf"), max_cached_requests=0)
+    drafter.begin(OneRow(text), None)
+    assert drafter.available(OneRow(text))
+    assert drafter.draft(OneRow(text), 4, None, False).tokens.tolist() == [[7, 8, 9, 5]]
+
+
 def test_remembered_token_ids_must_be_the_models():
     """The cache's drafts are not range-checked each iteration: ids outside the vocabulary are refused where
     they come in, by `remember` or when a drafter that remembers them wraps a model."""

@@ -401,7 +401,8 @@ class SuffixDrafter(Drafter):
         for occurrence in occurrences[:1]:
             if occurrence[0] is not own:
                 self.cache.touch(occurrence[2])
-        depth = min(self.max_drafts, max(1, int(self.max_spec_factor * length))) if length else 0
+        # capped before int(): a factor of inf (no cap per matched token) has no integer product
+        depth = max(1, int(min(self.max_spec_factor * length, self.max_drafts))) if length else 0
         return occurrences, depth, lambda o: len(own) - o[1] if o[0] is own else None
 
     def _continuations(self, state: DecodeState) -> list[list[int]]:
