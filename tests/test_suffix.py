@@ -207,6 +207,17 @@ def test_an_infinite_spec_factor_drafts_up_to_num_speculative_tokens():
     assert drafter.draft(OneRow(text), 4, None, False).tokens.tolist() == [[7, 8, 9, 5]]
 
 
+def test_a_drafter_listed_twice_is_refused():
+    """One drafter at two places of the list would hear every call twice: its memory would keep each answer twice."""
+    model = tiny_model("llama")
+    drafter = SuffixDrafter()
+    with pytest.raises(ValueError, match="the same suffix drafter is listed twice"):
+        SelfSpeculative(model, drafter=[drafter, "ngram", drafter])
+    spec = SelfSpeculative(model, drafter=[drafter, SuffixDrafter()])  # two drafters: each remembers the answer once
+    spec.generate(random_prompt(5), max_new_tokens=10, do_sample=False)
+    assert len(drafter.cache) == 1 and len(spec.drafters[1].cache) == 1
+
+
 def test_remembered_token_ids_must_be_the_models():
     """The cache's drafts are not range-checked each iteration: ids outside the vocabulary are refused where
     they come in, by `remember` or when a drafter that remembers them wraps a model."""

@@ -73,6 +73,11 @@ def build_drafters(
                          "(drafter='hybrid' combines n-gram lookup with heads).")  # fmt: skip
     drafters = []
     for name in names:
+        if isinstance(name, Drafter) and any(name is part for part in drafters):
+            raise ValueError(
+                f"drafter: the same {name.name} drafter is listed twice; each call would start, end and learn twice "
+                "in it (a suffix drafter would remember every answer twice). List it once, or list two drafters."
+            )
         if isinstance(name, Drafter):
             drafters.append(name)
         elif name == HEADS:
