@@ -167,6 +167,8 @@ def test_tree_with_left_padding_and_processors():
         ([[0, 1]], "no parent"),
         ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "only 4 heads"),
         ([[-1]], "non-negative"),
+        ([[0], [96]], "rank 96, but the model has 96 tokens"),  # failed in generate, in torch's topk
+        ({"nodes": 8, "top_k": 3, "depth": 4}, "paths of sibling ranks"),  # an EAGLE shape: "Tree path 'nodes'"
     ],
 )
 def test_bad_trees_are_refused(tree, message):

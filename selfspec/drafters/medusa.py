@@ -46,8 +46,18 @@ class MedusaDrafter(Drafter):
         """The drafter of Medusa heads: a chain, or the candidate `tree` (default: the heads' own; [] a chain)."""
         if exit_layer is not None:
             raise ValueError("exit_layer does not apply to Medusa heads: they draft from the last hidden state.")
+        if isinstance(tree, dict):
+            raise ValueError(
+                f"tree={tree!r}: Medusa heads draft a fixed candidate tree, given as paths of sibling ranks such as "
+                "[[0], [1], [0, 0]] (a dict of nodes, top_k and depth shapes an EAGLE head's dynamic tree)."
+            )
         tree = tree if tree is not None else heads.tree  # the heads may carry a default tree; [] forces a chain
         candidates = CandidateTree.from_paths(tree, heads.num_heads) if tree else None
+        if candidates is not None and max(candidates.top_k) > adapter.vocab_size:
+            raise ValueError(
+                f"tree: a path takes a head's candidate of rank {max(candidates.top_k) - 1}, but the model has "
+                f"{adapter.vocab_size} tokens (ranks 0 to {adapter.vocab_size - 1})."
+            )
         return cls(adapter, heads, candidates, vocab, confidence)
 
     @property
