@@ -236,6 +236,10 @@ def test_remembered_token_ids_must_be_the_models():
     prompt = random_prompt(6)
     expected = model.generate(prompt, max_new_tokens=10, do_sample=False)
     assert torch.equal(spec.generate(prompt, max_new_tokens=10, do_sample=False), expected)
+    SelfSpeculative(model, drafter=drafter)  # the same vocabulary again
+    # a larger one would remember ids out of the first model's range, which its drafts would then propose
+    with pytest.raises(ValueError, match=f"already drafts for a model of {vocab} tokens, and this model has 120"):
+        SelfSpeculative(tiny_model("llama", vocab_size=120), drafter=drafter)
 
 
 def test_bench_keeps_a_prompts_own_earlier_answers_out_of_the_memory():

@@ -328,7 +328,14 @@ class SuffixDrafter(Drafter):
 
     def bind_vocabulary(self, vocab_size: int) -> None:
         """The wrapped model has `vocab_size` tokens: answers remembered before must hold only those (drafts from
-        the cache are not range-checked each iteration), and so must answers remembered later."""
+        the cache are not range-checked each iteration), and so must answers remembered later. One drafter serves
+        one vocabulary: a model with another would remember ids the first one's drafts cannot hold."""
+        if self.vocab_size is not None and vocab_size != self.vocab_size:
+            raise ValueError(
+                f"this SuffixDrafter already drafts for a model of {self.vocab_size} tokens, and this model has "
+                f"{vocab_size}: its answers would become drafts out of the other's vocabulary. Give each model a "
+                "SuffixDrafter of its own."
+            )
         largest = max((max(sequence) for sequence in self.cache.sequences.values() if sequence), default=-1)
         if largest >= vocab_size:
             raise ValueError(
