@@ -12,8 +12,9 @@ Model-free like n-gram lookup, with three differences (the idea of SuffixDecodin
 q is a point mass on each proposal, so the accept-reject rule stays exact for greedy and sampled decoding alike.
 
 An index (`SuffixIndex`) maps each pair of consecutive tokens to where it occurred; the longest match is found by
-extending the candidates' matches backwards, at most `max_match_length` tokens. Adding a token costs O(1); a lookup
-costs at most `max_candidates` x `max_match_length` comparisons.
+extending the candidates' matches backwards, at most `max_match_length` tokens, most recent occurrence first. Adding
+a token costs O(1); a lookup stops once `max_candidates` occurrences share the longest match so far, so it favours
+recent text: an older, longer match behind that many recent shorter ones is not found.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class SuffixIndex:
     def candidates(self, context: list[int], max_match: int, max_candidates: int) -> tuple[int, list[tuple]]:
         """The longest suffix of `context` (at most `max_match` tokens) that occurred in these sequences with a
         token after it, and its most recent occurrences (at most `max_candidates`) as (sequence, where the token
-        after it is, id). (0, []) when not even the last token occurred with a successor."""
+        after it is, id). (0, []) when not even the last token occurred with a successor. The scan runs from the most
+        recent occurrence and stops at `max_candidates` of the best length so far (the module docstring)."""
         pair = context[-2] << 32 | context[-1] if len(context) >= 2 and max_match >= 2 else None
         # the last pair's occurrences, else the last token's: a pair may have occurred only at the end of a sequence,
         # with nothing after it (the text being generated always ends with its own last pair)
