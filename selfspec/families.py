@@ -88,6 +88,7 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
     "jamba": "its Mamba layers keep a recurrent state (rule 2)",
     "falcon_h1": "its Mamba layers keep a recurrent state (rule 2)",
     "recurrent_gemma": "its recurrent blocks keep a state (rule 2)",
+    "rwkv": "its time-mixing layers keep a recurrent state (rule 2)",
     "granitemoehybrid": "its Mamba layers keep a recurrent state (rule 2)",
     "gemma3": "it is the image-text wrapper, its layers under `.model.language_model` (rule 1); load the text "
     "model, Gemma3ForCausalLM (model type gemma3_text)",

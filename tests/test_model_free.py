@@ -71,3 +71,19 @@ def test_a_cache_that_cannot_roll_back_is_refused_for_model_free_drafters_too(mo
     spec = SelfSpeculative(model, drafter="ngram")
     with pytest.raises(UnsupportedModelError, match=r"cache has \w+ layers, which cannot drop rejected drafts"):
         spec.generate(random_prompt(6), max_new_tokens=4)
+
+
+def test_a_model_that_keeps_no_kv_cache_is_refused_not_decoded_wrongly():
+    """GPT-1 has no KV cache and RWKV keeps its recurrent state in an argument of its own: both forwards swallow the
+    cache selfspec passes, so every later pass would see only its own tokens. RWKV is refused by name; any such
+    model is refused once its prefill leaves the cache empty."""
+    config = AutoConfig.for_model(
+        "rwkv", vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=128,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"'rwkv' .*recurrent state"):
+        SelfSpeculative(AutoModelForCausalLM.from_config(config), drafter="ngram")
+    config = AutoConfig.for_model("openai-gpt", vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+    spec = SelfSpeculative(AutoModelForCausalLM.from_config(config).eval(), drafter="suffix")
+    with pytest.raises(UnsupportedModelError, match="left the cache empty"):
+        spec.generate(random_prompt(6), max_new_tokens=4)

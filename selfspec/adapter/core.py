@@ -197,6 +197,17 @@ class ModelAdapter:
                 )
         return cache
 
+    def check_cache_filled(self, cache: DynamicCache, length: int) -> None:
+        """After the prefill wrote `length` positions into the empty `cache`: refuse a model whose forward left it
+        empty, having swallowed it (a model without a KV cache, such as GPT-1, or one that keeps its state in an
+        argument of its own): every later pass would see only its own tokens."""
+        if max((layer.get_seq_length() for layer in cache.layers), default=0) != length:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ({self.model_type}) left the cache empty: its forward keeps no KV cache, "
+                "or keeps its state elsewhere. selfspec drafts only where the model reads and writes its past through "
+                "the attention KV cache it is passed."
+            )
+
     @staticmethod
     def crop(cache: DynamicCache, num_tokens: int) -> None:
         """Remove the last `num_tokens` positions from every layer (0 trims sliding layers to their window)."""

@@ -352,6 +352,8 @@ class DecodingLoop:
                 state.attention_mask(input_ids.shape[1]),
             )
             logits, hidden = self.adapter.forward_capturing(*args, layers=self.hidden_layers, logits_to_keep=1)
+            if self.adapter.whole_model_only:  # a family not checked by selfspec's tests: its past must be in the cache
+                self.adapter.check_cache_filled(state.cache, input_ids.shape[1])
             scores = process_scores(setup.processors, input_ids, input_ids[:, :0], logits)  # [batch, 1, V]
             token = pick(scores[:, 0], setup.do_sample)[:, None]
         for part in self.drafters:
