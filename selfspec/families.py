@@ -46,9 +46,6 @@ class Family:
     multiply_embeddings_by: str | None = None  # config attribute the stack multiplies the token embeddings by
     position_table: str | None = None  # stack attribute of a learned position embedding added to them
     input_norm: str | None = "input_layernorm"  # decoder layer attribute of its pre-attention norm (None: none)
-    # generate drops its cache and recomputes every position in one pass once the sequence first holds
-    # config.original_max_position_embeddings + 1 tokens, so that longrope's long frequencies rotate the past keys too
-    recomputes_at_rope_switch: bool = False
 
 
 def _llama_like(**extra) -> Family:
@@ -59,7 +56,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Family] = {
     "llama": _llama_like(),
     "qwen2": _llama_like(mixed_masks=True),
     "mistral": _llama_like(),
-    "phi3": _llama_like(recomputes_at_rope_switch=True),
+    "phi3": _llama_like(),
     "gemma": _llama_like(),
     "gemma2": _llama_like(mixed_masks=True),
     "gpt2": Family("transformer", "h", "ln_f", position_table="wpe", input_norm="ln_1"),

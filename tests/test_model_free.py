@@ -10,7 +10,7 @@ import torch
 from tiny_models import padded_prompts, random_prompt
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from selfspec import SelfSpeculative, UnsupportedModelError
+from selfspec import SelfSpeculative, UnsupportedGenerationArgument, UnsupportedModelError
 
 UNSUPPORTED = {  # families outside selfspec.families, tiny
     "phi": {},
@@ -87,3 +87,52 @@ def test_a_model_that_keeps_no_kv_cache_is_refused_not_decoded_wrongly():
     spec = SelfSpeculative(AutoModelForCausalLM.from_config(config).eval(), drafter="suffix")
     with pytest.raises(UnsupportedModelError, match="left the cache empty"):
         spec.generate(random_prompt(6), max_new_tokens=4)
+
+
+def longrope_model(model_type: str, **extra) -> torch.nn.Module:
+    """A tiny model of `model_type` with a longrope switch at position 24, its attention sharpened so that the
+    frequencies (and Phi-MoE's mscale) past the switch change its answers."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [8.0, 16, 32, 64]}
+    config = AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=128, original_max_position_embeddings=24,
+        rope_parameters=rope | extra.pop("rope", {}), bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+        for layer in model.model.layers:
+            for weight in layer.self_attn.parameters():
+                weight.mul_(3.0)
+    return model
+
+
+def test_phimoe_recomputes_its_cache_at_the_longrope_switch_as_generate_does():
+    """Phi-MoE's generate, like Phi3's, drops its cache when the sequence first holds original_max_position_embeddings
+    + 1 tokens and recomputes every position, so the past keys take the long mscale too; selfspec reads that from
+    the model's prepare_inputs_for_generation and does the same. Prompts end before the switch, on it and past it."""
+    model = longrope_model(
+        "phimoe", rope={"original_max_position_embeddings": 24, "short_mscale": 1.0, "long_mscale": 2.0},
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    for seed, length in [(0, 10), (1, 24), (2, 30)]:
+        prompt = random_prompt(length, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        for drafter in ("ngram", "suffix"):
+            actual = SelfSpeculative(model, drafter=drafter).generate(prompt, max_new_tokens=30, do_sample=False)
+            assert torch.equal(actual, expected), (seed, length, drafter)
+
+
+def test_a_generate_that_forgets_the_sequence_at_the_longrope_switch_is_refused_there():
+    """Phi4-multimodal's generate (transformers 5.25) drops its cache when the sequence first holds
+    original_max_position_embeddings + 1 tokens but passes the pending token alone, forgetting the sequence: a
+    generation reaching that point is refused; one that stays before it, or starts past it, stays exact."""
+    model = longrope_model("phi4_multimodal")
+    spec = SelfSpeculative(model, drafter="ngram")
+    with pytest.raises(UnsupportedGenerationArgument, match="drops its cache when the sequence first holds 25 tokens"):
+        spec.generate(random_prompt(10, seed=0), max_new_tokens=16)
+    for length, new in [(10, 15), (25, 20)]:  # the last pass holds 24 tokens; the prompt is past the switch
+        prompt = random_prompt(length, seed=length)
+        expected = model.generate(prompt, max_new_tokens=new, do_sample=False)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=new, do_sample=False), expected), length

@@ -87,6 +87,27 @@ def _longrope_switch(config) -> int | None:
     return min(switches) if switches else None
 
 
+def _generate_at_rope_switch(model: nn.Module, config) -> tuple[str, int] | None:
+    """What `model.generate` does to its cache when the sequence first holds config.original_max_position_embeddings + 1
+    tokens, read from its `prepare_inputs_for_generation` on such a sequence over a cache of the positions before it:
+    ("recompute", that field) where it drops the cache and passes every position again (Phi3's, Phi-MoE's),
+    ("restart", that field) where it drops the cache and passes the pending token alone (Phi4-multimodal's in
+    transformers 5.25), None where it keeps the cache or the config has no such field."""
+    at = getattr(config, "original_max_position_embeddings", None)
+    if at is None:
+        return None
+    past = DynamicCache()
+    past.update(torch.zeros(1, 1, at, 1), torch.zeros(1, 1, at, 1), 0)  # only its length is read
+    ids = torch.zeros(1, at + 1, dtype=torch.long)
+    keyword = cache_keyword(model.prepare_inputs_for_generation)
+    inputs = model.prepare_inputs_for_generation(
+        ids, attention_mask=torch.ones_like(ids), next_sequence_length=1, use_cache=True, **{keyword: past}
+    )
+    if inputs.get(keyword) is not None:
+        return None
+    return ("recompute" if inputs["input_ids"].shape[1] == at + 1 else "restart"), at
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean visibility mask as the float mask attention adds: 0 where visible, the dtype's minimum elsewhere
     (a boolean 4D mask is silently wrong under eager attention)."""
@@ -147,12 +168,11 @@ class ModelAdapter:
         self.logit_divisor = getattr(config, family.divide_logits_by) if family.divide_logits_by else None
         self.logit_scale = getattr(config, family.multiply_logits_by) if family.multiply_logits_by else None
         self.rope_switch = _longrope_switch(config)
+        at_switch = _generate_at_rope_switch(self.model, config) if self.rope_switch is not None else None
         # the sequence index at which generate recomputes the cache with longrope's long frequencies (None: never)
-        self.rope_recompute_at = (
-            getattr(config, "original_max_position_embeddings", None)
-            if family.recomputes_at_rope_switch and self.rope_switch is not None
-            else None
-        )
+        self.rope_recompute_at = at_switch[1] if at_switch and at_switch[0] == "recompute" else None
+        # the sequence index at which generate drops the cache and goes on from the pending token alone (None: never)
+        self.rope_restart_at = at_switch[1] if at_switch and at_switch[0] == "restart" else None
         self._cache_keyword = cache_keyword(self.model.forward)
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)

@@ -88,6 +88,7 @@ class DecodingLoop:
                 f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({setup.max_new_tokens}) exceeds the "
                 f"model's maximum of {max_positions} positions."
             )
+        self._check_rope_restart(input_ids, setup)
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
@@ -262,8 +263,8 @@ class DecodingLoop:
         return at is not None and call.state.length - 1 - call.state.added_pad[0] == at
 
     def _recompute_cache(self, call: Call) -> None:
-        """What Phi3's `generate` does when the sequence first holds original_max_position_embeddings + 1 tokens:
-        drop the cache and compute every position again in one pass, pending token included, so that longrope's
+        """What Phi3's and Phi-MoE's `generate` do when the sequence first holds original_max_position_embeddings + 1
+        tokens: drop the cache and compute every position again in one pass, pending token included, so that longrope's
         long frequencies (chosen for a whole pass once a position reaches the switch) rotate the past keys too.
         The pending token's entry is then dropped: the iteration's verify pass writes it (one prompt at a time:
         `_check_batch`). The pass counts as part of the prefill."""
@@ -273,6 +274,20 @@ class DecodingLoop:
             args = (state.sequences, state.position_ids(0, state.length), state.cache)
             self.adapter.forward(*args, state.attention_mask(state.length), logits_to_keep=1)
         self.adapter.crop(state.cache, 1)
+
+    def _check_rope_restart(self, input_ids: torch.Tensor, setup: GenerationSetup) -> None:
+        """Refuse a generation that reaches the sequence index at which the model's `generate` drops its cache and goes
+        on from the pending token alone (`ModelAdapter.rope_restart_at`): it forgets the sequence there, which
+        selfspec does not imitate. generate's passes hold width, width + 1, ..., width + max_new_tokens - 1 tokens;
+        the prefill's has no cache to drop."""
+        at, width = self.adapter.rope_restart_at, input_ids.shape[1]
+        if at is not None and width <= at and width + setup.max_new_tokens - 1 >= at + 1:
+            raise UnsupportedGenerationArgument(
+                f"{type(self.adapter.model).__name__}'s generate drops its cache when the sequence first holds "
+                f"{at + 1} tokens (its longrope switch) and goes on from the last token alone, forgetting the rest; "
+                f"selfspec does not follow it there. Keep the prompt plus max_new_tokens within {at + 1} tokens, or "
+                f"start from a prompt longer than {at} tokens."
+            )
 
     def _check_batch(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
         """A batch: what runs one prompt at a time is refused. (Without `attention_mask`, the pad tokens are
