@@ -136,3 +136,24 @@ def test_a_generate_that_forgets_the_sequence_at_the_longrope_switch_is_refused_
         prompt = random_prompt(length, seed=length)
         expected = model.generate(prompt, max_new_tokens=new, do_sample=False)
         assert torch.equal(spec.generate(prompt, max_new_tokens=new, do_sample=False), expected), length
+
+
+def test_a_bert_style_causal_lm_that_attends_both_ways_is_refused():
+    """A BERT-style causal LM loaded without is_decoder=True masks bidirectionally: in a pass over several drafts each
+    position saw the ones after it, and padded batches left generate's output. It is refused; with is_decoder=True
+    it is causal and exact."""
+    for is_decoder in (False, True):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            "megatron-bert", vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=128, pad_token_id=0, is_decoder=is_decoder,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        if not is_decoder:
+            with pytest.raises(UnsupportedModelError, match="is_decoder=False"):
+                SelfSpeculative(model, drafter="ngram")
+            continue
+        ids, mask = padded_prompts([7, 7, 2, 10], seed=9)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        actual = SelfSpeculative(model, drafter="ngram").generate(ids, attention_mask=mask, max_new_tokens=20)
+        assert torch.equal(actual, expected)

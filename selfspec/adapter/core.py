@@ -108,6 +108,15 @@ def _generate_at_rope_switch(model: nn.Module, config) -> tuple[str, int] | None
     return ("recompute" if inputs["input_ids"].shape[1] == at + 1 else "restart"), at
 
 
+@torch.no_grad()
+def _attends_ahead(model: nn.Module) -> bool:
+    """Whether the first position's logits change with the token after it: BERT-style causal LMs attend both ways
+    unless their config says is_decoder=True."""
+    ids = torch.tensor([[3, 4], [3, 5]], device=model.get_output_embeddings().weight.device)
+    logits = model(input_ids=ids, use_cache=False).logits[:, 0]  # [2, V]
+    return not torch.allclose(logits[0], logits[1])
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean visibility mask as the float mask attention adds: 0 where visible, the dtype's minimum elsewhere
     (a boolean 4D mask is silently wrong under eager attention)."""
@@ -136,6 +145,11 @@ class ModelAdapter:
             )
         if model_type not in SUPPORTED_ARCHITECTURES and (not whole_model or model_type in REFUSED_ARCHITECTURES):
             raise UnsupportedModelError(unsupported_message(model_type, type(self.model).__name__))
+        if getattr(config, "is_decoder", True) is False and _attends_ahead(self.model):  # BERT-style configs
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ({model_type}) has is_decoder=False: its positions attend to later ones, "
+                "so a pass over several drafts computes what one-token steps do not. Load it with is_decoder=True."
+            )
         if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
