@@ -145,7 +145,12 @@ class ModelAdapter:
             )
         if model_type not in SUPPORTED_ARCHITECTURES and (not whole_model or model_type in REFUSED_ARCHITECTURES):
             raise UnsupportedModelError(unsupported_message(model_type, type(self.model).__name__))
-        if getattr(config, "is_decoder", True) is False and _attends_ahead(self.model):  # BERT-style configs
+        # BERT-style configs (GPT-NeoX's declares is_decoder=False too, and its tests show it causal)
+        if (
+            model_type not in SUPPORTED_ARCHITECTURES
+            and getattr(config, "is_decoder", True) is False
+            and _attends_ahead(self.model)
+        ):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} ({model_type}) has is_decoder=False: its positions attend to later ones, "
                 "so a pass over several drafts computes what one-token steps do not. Load it with is_decoder=True."
