@@ -157,3 +157,26 @@ def test_a_bert_style_causal_lm_that_attends_both_ways_is_refused():
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
         actual = SelfSpeculative(model, drafter="ngram").generate(ids, attention_mask=mask, max_new_tokens=20)
         assert torch.equal(actual, expected)
+
+
+def trocr_model(**extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "trocr", vocab_size=96, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def test_a_forward_that_ignores_logits_to_keep_is_read_at_its_last_position():
+    """TrOCR's forward takes no `logits_to_keep` and returns every position's logits: the prefill's next token is
+    read from the last position, not the first."""
+    model = trocr_model()
+    prompt = random_prompt(10, seed=2)
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    for drafter in ("ngram", "suffix"):
+        actual = SelfSpeculative(model, drafter=drafter).generate(prompt, max_new_tokens=20, do_sample=False)
+        assert torch.equal(actual, expected), drafter

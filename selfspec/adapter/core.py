@@ -351,7 +351,15 @@ class ModelAdapter:
 
     def forward(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0) -> torch.Tensor:
         """All layers: logits `[batch, positions, vocab]` (the last `logits_to_keep` positions if > 0)."""
-        return self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
+        return self._logits(
+            self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep), logits_to_keep
+        )
+
+    @staticmethod
+    def _logits(output, logits_to_keep: int) -> torch.Tensor:
+        """The output's logits, of the last `logits_to_keep` positions if > 0: some forwards (TrOCR's) take no
+        `logits_to_keep` and return every position's."""
+        return output.logits[:, -logits_to_keep:] if logits_to_keep > 0 else output.logits
 
     def forward_with_hidden(self, input_ids, position_ids, cache, attention_mask=None, logits_to_keep: int = 0):
         """All layers: (logits, last hidden state after the final norm `[batch, positions, H]`)."""
@@ -364,7 +372,9 @@ class ModelAdapter:
         """All layers: (logits, {layer: hidden [batch, positions, H]}) for decoder layer indices (that
         layer's output) and `FINAL` (after the final norm) in `layers`."""
         with self._capture(layers) as captured:
-            logits = self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep).logits
+            logits = self._logits(
+                self._forward(input_ids, position_ids, cache, attention_mask, logits_to_keep), logits_to_keep
+            )
         return logits, captured
 
     @contextmanager
