@@ -180,3 +180,22 @@ def test_a_forward_that_ignores_logits_to_keep_is_read_at_its_last_position():
     for drafter in ("ngram", "suffix"):
         actual = SelfSpeculative(model, drafter=drafter).generate(prompt, max_new_tokens=20, do_sample=False)
         assert torch.equal(actual, expected), drafter
+
+
+def test_a_batch_is_refused_where_the_forward_numbers_positions_by_cache_slot():
+    """BART's and TrOCR's decoders take no position_ids: they number positions by cache slot, so the padding slots
+    a batch gains when its rows accept different numbers of drafts would move them. Batches are refused; one prompt
+    stays exact."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "bart", vocab_size=96, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    for model in (AutoModelForCausalLM.from_config(config).eval(), trocr_model()):
+        spec = SelfSpeculative(model, drafter="ngram")
+        repetitive = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+        with pytest.raises(UnsupportedGenerationArgument, match="takes no position_ids"):
+            spec.generate(torch.cat([repetitive, random_prompt(16, seed=3)]), max_new_tokens=30)
+        expected = model.generate(repetitive, max_new_tokens=30, do_sample=False)
+        assert torch.equal(spec.generate(repetitive, max_new_tokens=30, do_sample=False), expected)

@@ -193,6 +193,8 @@ class ModelAdapter:
         # the sequence index at which generate drops the cache and goes on from the pending token alone (None: never)
         self.rope_restart_at = at_switch[1] if at_switch and at_switch[0] == "restart" else None
         self._cache_keyword = cache_keyword(self.model.forward)
+        # False where the forward numbers positions itself, by cache slot (BART's and TrOCR's decoders)
+        self.takes_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)
         if packed_weights is None:

@@ -300,6 +300,12 @@ class DecodingLoop:
             )
         if self.drafters[0].tree is not None:
             raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
+        if not self.adapter.takes_position_ids:
+            raise UnsupportedGenerationArgument(
+                f"{type(self.adapter.model).__name__} ({self.adapter.model_type}) takes no position_ids: it numbers "
+                "positions by cache slot, so the padding slots selfspec inserts between rows that accept different "
+                "numbers of drafts would move them. Generate one prompt at a time."
+            )
         self._check_batch_rope(setup, input_ids)
 
     def _check_batch_rope(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
