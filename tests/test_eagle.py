@@ -426,6 +426,18 @@ def test_settings_errors_name_the_problem():
         HeadsConfig(kind="eagle", layout="medusa")
 
 
+@pytest.mark.parametrize("field", ["nodes", "top_k", "depth"])
+@pytest.mark.parametrize("value", [4.0, True, "4"])
+def test_a_tree_setting_that_is_no_whole_number_is_refused_by_name(field, value):
+    """Not at the first tree (a slice, torch's topk or range failing mid-generate), nor as "no max_nodes" or "expected
+    the keys" (the keys are right): the wrapper names the setting, with or without adaptive trees."""
+    model = tiny_model("llama")
+    tree = {"nodes": 8, "top_k": 3, "depth": 4, field: value}
+    for adaptive in (False, True):
+        with pytest.raises(ValueError, match=rf"tree={{.*}}: {field} must be a whole number of at least 1, got {value!r}"):
+            SelfSpeculative(model, heads=eagle_heads(model), tree=tree, adaptive=adaptive)
+
+
 def test_append_right_aligned_keeps_each_rows_last_entries_in_order():
     old = torch.tensor([[[1.0], [2.0], [3.0]], [[4.0], [5.0], [6.0]]])  # [2, 3, 1]
     new = torch.tensor([[[7.0], [8.0]], [[9.0], [10.0]]])

@@ -19,6 +19,7 @@ candidates are deterministic, so the tree rule keeps the output exact, greedy or
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,11 @@ class DynamicTree:
     depth: int = 4
 
     def __post_init__(self):
+        for name in ("nodes", "top_k", "depth"):  # counts: a float or a bool would fail only in generate
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"tree={self.__dict__}: {name} must be a whole number of at least 1, got {value!r}.")
+            object.__setattr__(self, name, int(value))
         if not (self.nodes >= 1 and self.top_k >= 1 and self.depth >= 1):
             raise ValueError(f"tree={self.__dict__}: nodes, top_k and depth must be at least 1.")
 
