@@ -433,8 +433,9 @@ def test_a_tree_setting_that_is_no_whole_number_is_refused_by_name(field, value)
     the keys" (the keys are right): the wrapper names the setting, with or without adaptive trees."""
     model = tiny_model("llama")
     tree = {"nodes": 8, "top_k": 3, "depth": 4, field: value}
+    message = rf"tree={{.*}}: {field} must be a whole number of at least 1, got {value!r}"
     for adaptive in (False, True):
-        with pytest.raises(ValueError, match=rf"tree={{.*}}: {field} must be a whole number of at least 1, got {value!r}"):
+        with pytest.raises(ValueError, match=message):
             SelfSpeculative(model, heads=eagle_heads(model), tree=tree, adaptive=adaptive)
 
 
