@@ -20,16 +20,24 @@ UNSUPPORTED = {  # families outside selfspec.families, tiny
 }
 
 
-def unsupported_model(model_type: str) -> torch.nn.Module:
+def tiny_whole_model(model_type: str, **config) -> torch.nn.Module:
+    """A tiny `model_type` of `config` (96 tokens, 128 positions, pad 0, no end of sequence), its logits spread."""
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        model_type, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0, **UNSUPPORTED[model_type],
+        model_type, vocab_size=96, max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        **config,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # spread the logits: a near-flat argmax would flip on rounding (a false failure)
         model.get_output_embeddings().weight.mul_(8.0)
     return model
+
+
+def unsupported_model(model_type: str) -> torch.nn.Module:
+    return tiny_whole_model(
+        model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        **UNSUPPORTED[model_type],
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
@@ -92,16 +100,13 @@ def test_a_model_that_keeps_no_kv_cache_is_refused_not_decoded_wrongly():
 def longrope_model(model_type: str, **extra) -> torch.nn.Module:
     """A tiny model of `model_type` with a longrope switch at position 24, its attention sharpened so that the
     frequencies (and Phi-MoE's mscale) past the switch change its answers."""
-    torch.manual_seed(0)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [8.0, 16, 32, 64]}
-    config = AutoConfig.for_model(
-        model_type, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=128, original_max_position_embeddings=24,
-        rope_parameters=rope | extra.pop("rope", {}), bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
+    model = tiny_whole_model(
+        model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, original_max_position_embeddings=24, rope_parameters=rope | extra.pop("rope", {}),
+        **extra,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
         for layer in model.model.layers:
             for weight in layer.self_attn.parameters():
                 weight.mul_(3.0)
@@ -159,16 +164,8 @@ def test_a_bert_style_causal_lm_that_attends_both_ways_is_refused():
         assert torch.equal(actual, expected)
 
 
-def trocr_model(**extra) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "trocr", vocab_size=96, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
-        max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
+def trocr_model() -> torch.nn.Module:
+    return tiny_whole_model("trocr", d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
 
 
 def test_a_forward_that_ignores_logits_to_keep_is_read_at_its_last_position():
