@@ -76,6 +76,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Family] = {
 # families whose forward takes a {layer type: 4D mask} dict, needed when full and sliding layers mix
 MIXED_MASK_MODELS = {name for name, family in SUPPORTED_ARCHITECTURES.items() if family.mixed_masks}
 
+# families outside the list whose forward takes no position_ids but places tokens by the attention mask (ALiBi), so
+# the left padding a batch gains does not move them: their padded batches are tested exact (tests/test_model_free.py)
+MASK_POSITIONED_MODELS = {"bloom", "mpt"}
+
 # known model types that break the rule, and which part of it
 REFUSED_ARCHITECTURES: dict[str, str] = {
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers keep a recurrent state (rule 2)",

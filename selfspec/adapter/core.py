@@ -15,7 +15,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..families import MIXED_MASK_MODELS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, unsupported_message
+from ..families import (
+    MASK_POSITIONED_MODELS,
+    MIXED_MASK_MODELS,
+    REFUSED_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    Family,
+    unsupported_message,
+)
 from .grouped import grouped_attention
 from .packed import PackedLinears, packed_by_default
 from .vocab import DraftVocabulary
@@ -193,8 +200,11 @@ class ModelAdapter:
         # the sequence index at which generate drops the cache and goes on from the pending token alone (None: never)
         self.rope_restart_at = at_switch[1] if at_switch and at_switch[0] == "restart" else None
         self._cache_keyword = cache_keyword(self.model.forward)
-        # False where the forward numbers positions itself, by cache slot (BART's and TrOCR's decoders)
-        self.takes_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
+        # False where the forward numbers positions itself, by cache slot (BART's and TrOCR's decoders), so that
+        # padding added before a row's tokens moves them (BLOOM's and MPT's take none either, but follow the mask)
+        self.padding_keeps_positions = (
+            "position_ids" in inspect.signature(self.model.forward).parameters or model_type in MASK_POSITIONED_MODELS
+        )
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)
         if packed_weights is None:

@@ -300,7 +300,7 @@ class DecodingLoop:
             )
         if self.drafters[0].tree is not None:
             raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
-        if not self.adapter.takes_position_ids:
+        if not self.adapter.padding_keeps_positions:
             raise UnsupportedGenerationArgument(
                 f"{type(self.adapter.model).__name__} ({self.adapter.model_type}) takes no position_ids: it numbers "
                 "positions by cache slot, so the padding slots selfspec inserts between rows that accept different "
