@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import padded_prompts, random_prompt
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from selfspec import SelfSpeculative, UnsupportedGenerationArgument, UnsupportedModelError
 
@@ -157,6 +157,9 @@ def test_a_bert_style_causal_lm_that_attends_both_ways_is_refused():
         if not is_decoder:
             with pytest.raises(UnsupportedModelError, match="is_decoder=False"):
                 SelfSpeculative(model, drafter="ngram")
+            # the bare encoder has no LM head for the probe to read: the existing check names that first
+            with pytest.raises(UnsupportedModelError, match="has no language-model head"):
+                SelfSpeculative(AutoModel.from_config(config), drafter="ngram")
             continue
         ids, mask = padded_prompts([7, 7, 2, 10], seed=9)
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)

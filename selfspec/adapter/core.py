@@ -152,7 +152,11 @@ class ModelAdapter:
             )
         if model_type not in SUPPORTED_ARCHITECTURES and (not whole_model or model_type in REFUSED_ARCHITECTURES):
             raise UnsupportedModelError(unsupported_message(model_type, type(self.model).__name__))
-        # BERT-style configs (GPT-NeoX's declares is_decoder=False too, and its tests show it causal)
+        if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
+            )
+        # BERT-style configs, once there is an LM head to read (GPT-NeoX's declares is_decoder=False too: causal)
         if (
             model_type not in SUPPORTED_ARCHITECTURES
             and getattr(config, "is_decoder", True) is False
@@ -161,10 +165,6 @@ class ModelAdapter:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} ({model_type}) has is_decoder=False: its positions attend to later ones, "
                 "so a pass over several drafts computes what one-token steps do not. Load it with is_decoder=True."
-            )
-        if self.model.get_output_embeddings() is None or not hasattr(self.model, "generate"):
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} has no language-model head: load it with AutoModelForCausalLM."
             )
         family = SUPPORTED_ARCHITECTURES.get(model_type)
         stack = getattr(self.model, family.stack, None) if family is not None else self.model.base_model
