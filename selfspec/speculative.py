@@ -35,8 +35,10 @@ class SelfSpeculative(DecodingLoop):
             heads' first trained depth, else a quarter of the depth.
         num_draft_tokens: drafts per iteration (gamma); with `adaptive`, the most per iteration. Default:
             the drafter's (the heads' tuned setting, the number of Medusa heads, n-gram's
-            `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. 0 decodes plainly through
-            selfspec's own loop, one full pass per token and no drafts (a baseline for benchmarks).
+            `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. With a tree it caps the chains a
+            tree drafter falls back to (near a call's end), not the tree, and turns the adaptive choice off as for
+            chains. 0 decodes plainly through selfspec's own loop, one full pass per token and no drafts (a
+            baseline for benchmarks).
         heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads` / `EagleHeads`) trained for this model; None
             uses the model's own final norm and LM head as the exit head (no training needed). Loaded heads on
             another device or in another dtype than the model are copied there (`spec.heads`); yours stay as
@@ -45,8 +47,8 @@ class SelfSpeculative(DecodingLoop):
             verified in one pass. Default: the heads' own tree if they carry one, else a chain; [] drafts a
             chain even when the heads carry a tree. With an EAGLE head, a dynamic tree (EAGLE-2) as a dict
             {"nodes": 8, "top_k": 3, "depth": 4}: candidates verified per pass, children per expanded node and
-            nodes expanded per depth, depth (`selfspec tune` measures five budgets). Trees draft for one prompt
-            at a time.
+            nodes expanded per depth, depth (`selfspec tune` measures five budgets); {} drafts a chain. Trees
+            draft for one prompt at a time. A tree's size is its own: `num_draft_tokens` does not bound it.
         adaptive: choose gamma each iteration from the acceptance seen so far and the speedup equation,
             down to plain decoding when drafting does not pay (see `selfspec.engine.adaptive`); with several drafters,
             also which one drafts; with a tree drafter, whether an iteration verifies a tree or takes a plain step
@@ -67,7 +69,8 @@ class SelfSpeculative(DecodingLoop):
             quantised per row and multiplied by torch's int8 weight-only kernel: a quarter of float32's bytes
             per draft token, slightly different q, the same exact output. Default: None (the model's dtype).
         draft_confidence: stop drafting a chain early in an iteration once the drafted token's draft
-            probability is below this (every row's, in a batch). Default: off (always draft gamma).
+            probability is below this (every row's, in a batch); chains only (refused with a tree). Default: off
+            (always draft gamma).
         position_cost: for `adaptive`, r in v(gamma, rows) = (1 + r rows (gamma+1)) / (1 + r rows): what a
             verified position costs on this machine, so that gamma shrinks (to 0) as the batch grows where
             verification is compute-bound; one number, or {batch size: r} measured per batch size (interpolated

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import eagle_heads
 from test_medusa import medusa_heads
 from test_sampling_exactness import ROWS, chi_square_pvalue, exact_law, sampled_counts
 from test_sampling_exactness import model as sampling_model  # noqa: F401  (the 4-token model fixture)
@@ -190,6 +191,11 @@ def test_drafter_argument_errors():
         SelfSpeculative(model, drafter="ngram", exit_layer=2)
     with pytest.raises(ValueError, match="configure your drafter itself"):
         SelfSpeculative(model, drafter=NGramDrafter(), draft_confidence=0.5)
+    # a tree's size is its own: the chain stop would be read only by the chains near a call's end
+    for heads, tree in ((medusa_heads(model), [[0], [1]]), (eagle_heads(model), {"nodes": 3, "top_k": 2, "depth": 2})):
+        with pytest.raises(ValueError, match="draft_confidence stops a chain early; .* drafts trees"):
+            SelfSpeculative(model, heads=heads, tree=tree, draft_confidence=0.5)
+        SelfSpeculative(model, heads=heads, tree=[] if tree == [[0], [1]] else None, draft_confidence=0.5)  # chains
     merged = SelfSpeculative(
         model, drafter="hybrid", heads=medusa_heads(model), tree=[[0], [1]], adaptive=False
     )  # tests/test_merged

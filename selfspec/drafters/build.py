@@ -110,5 +110,11 @@ def heads_drafter(heads: DraftHeads, adapter: ModelAdapter, exit_layer, tree, vo
     if kind is None:
         raise NotImplementedError(f"heads of kind {heads.kind!r} ({type(heads).__name__}) have no drafter")
     drafter = kind.from_heads(heads, adapter, exit_layer, tree, vocab, confidence)
+    if confidence is not None and drafter.tree is not None:
+        chain = "tree=[]" if heads.kind == MedusaHeads.kind else "no tree"
+        raise ValueError(
+            f"draft_confidence stops a chain early; {drafter.name} drafts trees, whose size the tree sets. Leave "
+            f"draft_confidence out, or draft chains ({chain})."
+        )
     drafter.default_drafts = min(heads.num_draft_tokens or drafter.default_drafts, drafter.max_drafts)
     return drafter
