@@ -15,8 +15,9 @@ of the slots ("magpie") holds user turns the target writes itself, sampled at T=
 template's user prefix. With `--prose_wheel` the instructions come instead from the news stories and
 encyclopedia articles in gensim's wheel (`pip download --no-deps gensim==4.4.0`; kinds.PROSE_MAKERS), in a run
 of their own. Every instruction is answered greedily or at T=0.7 (half each), by transformers in
-batches whose finished rows leave (chat_data/decode.py) or by vLLM's offline engine (`--engine vllm`, in
-vLLM's own environment, on the target written as a model folder); a fifth of them get a second user turn
+batches whose finished rows leave (chat_data/decode.py; on a GPU where one is visible, `--device`, with a larger
+`--batch_size` and `--token_budget` there) or by vLLM's offline engine (`--engine vllm`, in vLLM's own
+environment, on the target written as a model folder); a fifth of them get a second user turn
 (a follow-up such as "Can you make it shorter?") and a second answer. Every 10th instruction is held out.
 
 Work goes in windows of `--window` instructions: Magpie turns, then answers, then second turns, each batch
@@ -228,7 +229,9 @@ def generate(args) -> None:
         # a session's engine seed from where it starts, so that a resumed run does not replay an earlier stream
         engine = VllmEngine(args.target, args.dtype, args.num_threads, max_len, args.seed * 7919 + pending[0].index)
     else:
-        engine = TransformersEngine(args.target, args.dtype, args.num_threads, args.batch_size, args.token_budget)
+        engine = TransformersEngine(
+            args.target, args.dtype, args.num_threads, args.batch_size, args.token_budget, args.device
+        )
     writer = Writer(engine, out_dir, args)
     start = time.monotonic()
     progress = tqdm(total=len(pending), unit="instr")
@@ -281,7 +284,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--token_budget", type=int, default=TOKEN_BUDGET)
     parser.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS)
     parser.add_argument("--max_prompt_tokens", type=int, default=MAX_PROMPT_TOKENS)
-    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument(
+        "--device", default="auto", help="the transformers engine's device; auto: cuda where a GPU is visible, else cpu"
+    )
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the device has native bf16, else float32")
     parser.add_argument(
         "--engine",
         choices=["transformers", "vllm"],
@@ -291,10 +297,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_threads", type=int, default=NUM_THREADS)
     parser.add_argument("--time_limit", type=float, default=None, help="minutes; stop after the window that passes it")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         from selfspec.hardware import native_bf16
 
-        args.dtype = "bfloat16" if native_bf16()[0] else "float32"
+        args.dtype = "bfloat16" if native_bf16(args.device)[0] else "float32"
     return args
 
 

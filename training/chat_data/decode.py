@@ -21,11 +21,12 @@ def decode(
     generator: torch.Generator | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Per row: (new token ids without the stop token, truncated at `max_new_tokens`). Greedy when
-    `temperature` is None, else sampled from softmax(logits / temperature) with `generator`."""
+    `temperature` is None, else sampled from softmax(logits / temperature) with `generator` (on the model's
+    device, as the inputs are)."""
     rows = input_ids.shape[0]
     outputs: list[list[int]] = [[] for _ in range(rows)]
     finished = [False] * rows
-    live = torch.arange(rows)  # original row of each row still in the batch
+    live = list(range(rows))  # original row of each row still in the batch
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_argument = {cache_keyword(model.forward): cache}
@@ -41,7 +42,7 @@ def decode(
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         keep = []
-        for k, (row, token) in enumerate(zip(live.tolist(), tokens.tolist(), strict=True)):
+        for k, (row, token) in enumerate(zip(live, tokens.tolist(), strict=True)):
             if token in stop_ids:
                 finished[row] = True
             else:
@@ -50,9 +51,9 @@ def decode(
         if not keep:
             break
         if len(keep) < len(live):
-            index = torch.tensor(keep)
+            index = torch.tensor(keep, device=tokens.device)
             cache.batch_select_indices(index)
-            live, tokens, next_position = live[index], tokens[index], next_position[index]
+            live, tokens, next_position = [live[k] for k in keep], tokens[index], next_position[index]
             attention_mask = attention_mask[index]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=-1)
         logits = model(

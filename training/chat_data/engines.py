@@ -9,17 +9,22 @@ import os
 
 
 class TransformersEngine:
-    """The target loaded by selfspec (a known target's name or a model folder), decoded by `decode.decode`."""
+    """The target loaded by selfspec (a known target's name or a model folder) on `device` (a CPU's threads, or a
+    GPU), decoded by `decode.decode`."""
 
     name = "transformers"
 
-    def __init__(self, target: str, dtype: str, num_threads: int, batch_size: int, token_budget: int):
+    def __init__(
+        self, target: str, dtype: str, num_threads: int, batch_size: int, token_budget: int, device: str = "cpu"
+    ):
         import torch
 
         from selfspec.targets import load_model
 
         torch.set_num_threads(num_threads)
         self.model, self.tokenizer = load_model(target, dtype=dtype)
+        self.model.to(device)
+        self.device = torch.device(device)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.dtype = str(self.model.dtype).removeprefix("torch.")
@@ -41,8 +46,8 @@ class TransformersEngine:
             while len(group) > 1 and len(group) * len(prompts[group[-1]]) > self.token_budget:
                 group.pop()
             start += len(group)
-            ids, mask = left_pad([torch.tensor([prompts[k]]) for k in group], pad)
-            generator = torch.Generator().manual_seed(seed + group[0])
+            ids, mask = (t.to(self.device) for t in left_pad([torch.tensor([prompts[k]]) for k in group], pad))
+            generator = torch.Generator(self.device).manual_seed(seed + group[0])
             yield group, decode(self.model, ids, mask, max_new_tokens, stop_ids, temperature, generator)
 
 
