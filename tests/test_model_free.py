@@ -21,12 +21,11 @@ UNSUPPORTED = {  # families outside selfspec.families, tiny
 
 
 def tiny_whole_model(model_type: str, **config) -> torch.nn.Module:
-    """A tiny `model_type` of `config` (96 tokens, 128 positions, pad 0, no end of sequence), its logits spread."""
+    """A tiny `model_type` of `config` (96 tokens, 128 positions, pad 0 unless given, no end of sequence), its logits
+    spread."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        model_type, vocab_size=96, max_position_embeddings=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-        **config,
-    )  # fmt: skip
+    defaults = {"vocab_size": 96, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": None}
+    config = AutoConfig.for_model(model_type, **defaults | {"pad_token_id": 0} | config)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # spread the logits: a near-flat argmax would flip on rounding (a false failure)
         model.get_output_embeddings().weight.mul_(8.0)
@@ -167,8 +166,10 @@ def test_a_bert_style_causal_lm_that_attends_both_ways_is_refused():
         assert torch.equal(actual, expected)
 
 
-def trocr_model() -> torch.nn.Module:
-    return tiny_whole_model("trocr", d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
+def trocr_model(**config) -> torch.nn.Module:
+    return tiny_whole_model(
+        "trocr", d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, **config
+    )  # fmt: skip
 
 
 def test_a_forward_that_ignores_logits_to_keep_is_read_at_its_last_position():
@@ -180,6 +181,59 @@ def test_a_forward_that_ignores_logits_to_keep_is_read_at_its_last_position():
     for drafter in ("ngram", "suffix"):
         actual = SelfSpeculative(model, drafter=drafter).generate(prompt, max_new_tokens=20, do_sample=False)
         assert torch.equal(actual, expected), drafter
+
+
+def pad_followed(generated: torch.Tensor, pad: int) -> bool:
+    """Whether a pad token is followed by another token in `generated` [1, T]."""
+    return bool(((generated[0, :-1] == pad) & (generated[0, 1:] != pad)).any())
+
+
+def test_a_pass_ends_at_a_token_the_forward_gives_no_position():
+    """TrOCR's sinusoidal positions number the tokens of a pass by counting those that are not the pad token (which
+    gets no position): one-token steps count a generated pad token, a pass over it and the drafts after it did not,
+    so every later draft sat one position early and greedy output left generate's. The adapter reads that from the
+    forward (two rows differing only in a masked pad token), and a verify pass now ends at such a token."""
+    model = trocr_model(use_learned_position_embeddings=False, pad_token_id=2)
+    with torch.no_grad():  # the pad token is predicted where token 26 was and reads as token 47: pads, then others
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.clone())  # untied from the input embedding
+        head.weight[2] = head.weight[26] * 1.05
+        model.get_input_embeddings().weight[2] = model.get_input_embeddings().weight[47]
+    for seed in (0, 1):
+        prompt = random_prompt(10, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        assert pad_followed(expected[:, 10:], pad=2)
+        for drafter in ("ngram", "suffix"):
+            spec = SelfSpeculative(model, drafter=drafter)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected), (seed, drafter)
+            assert spec.stats.accepted > 0
+            assert spec.adapter.token_without_position == 2
+    assert SelfSpeculative(trocr_model(pad_token_id=2), drafter="ngram").adapter.token_without_position is None
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])
+def test_roberta_style_positions_follow_the_position_ids_selfspec_passes(model_type):
+    """RoBERTa-style causal LMs number positions from the token ids (skipping the pad token) only when given no
+    position_ids; generate passes them, and so does selfspec: exact with pad tokens generated, one prompt and a
+    padded batch, and no pass is cut at them."""
+    model = tiny_whole_model(
+        model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        is_decoder=True, pad_token_id=2,
+    )  # fmt: skip
+    prompt = random_prompt(10, seed=2)
+    often = int(model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 10:].bincount().argmax())
+    with torch.no_grad():  # the pad token trades places with the one generated most (the LM head is tied to them)
+        weight = model.get_input_embeddings().weight
+        weight[[2, often]] = weight[[often, 2]].clone()
+    spec = SelfSpeculative(model, drafter="ngram")
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert pad_followed(expected[:, 10:], pad=2)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    ids, mask = padded_prompts([4, 9, 6], pad=2)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert any(pad_followed(row[None, 9:], pad=2) for row in expected)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False), expected)
+    assert spec.adapter.token_without_position is None
 
 
 def test_a_batch_is_refused_where_the_forward_numbers_positions_by_cache_slot():

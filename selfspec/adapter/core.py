@@ -124,6 +124,24 @@ def _attends_ahead(model: nn.Module) -> bool:
     return not torch.allclose(logits[0], logits[1])
 
 
+@torch.no_grad()
+def _token_without_position(model: nn.Module, takes_position_ids: bool) -> int | None:
+    """The pad token id where the forward numbers positions from the token ids, giving that token none of its own
+    and counting the others (fairseq's make_positions: TrOCR's sinusoidal positions), whatever position ids it is
+    passed; None elsewhere. Read from two rows that differ only in a masked middle token, the pad or another: where
+    positions follow the position ids, the mask or the cache slot, the last token's logits are the same in both."""
+    pad = model.config.pad_token_id
+    if pad is None:
+        return None
+    first, other, last = [token for token in range(3, 7) if token != pad][:3]
+    device = model.get_output_embeddings().weight.device
+    ids = torch.tensor([[first, pad, last], [first, other, last]], device=device)
+    mask = torch.tensor([[1, 0, 1]] * 2, device=device)  # the middle token is masked: only its id can act
+    positions = {"position_ids": torch.tensor([[0, 1, 1]] * 2, device=device)} if takes_position_ids else {}
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **positions).logits[:, -1]  # [2, V]
+    return None if torch.allclose(logits[0], logits[1], equal_nan=True) else pad
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean visibility mask as the float mask attention adds: 0 where visible, the dtype's minimum elsewhere
     (a boolean 4D mask is silently wrong under eager attention)."""
@@ -200,10 +218,14 @@ class ModelAdapter:
         # the sequence index at which generate drops the cache and goes on from the pending token alone (None: never)
         self.rope_restart_at = at_switch[1] if at_switch and at_switch[0] == "restart" else None
         self._cache_keyword = cache_keyword(self.model.forward)
+        takes_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
         # False where the forward numbers positions itself, by cache slot (BART's and TrOCR's decoders), so that
         # padding added before a row's tokens moves them (BLOOM's and MPT's take none either, but follow the mask)
-        self.padding_keeps_positions = (
-            "position_ids" in inspect.signature(self.model.forward).parameters or model_type in MASK_POSITIONED_MODELS
+        self.padding_keeps_positions = takes_position_ids or model_type in MASK_POSITIONED_MODELS
+        # the token id the forward gives no position and does not count (a pass over several tokens then numbers
+        # the ones after it otherwise than one-token steps do); None for the families selfspec drives
+        self.token_without_position = (
+            _token_without_position(self.model, takes_position_ids) if self.whole_model_only else None
         )
         self._layer_returns_tuple = False
         # passes over several positions multiply with a packed copy of the linear weights (`.packed`)

@@ -60,6 +60,10 @@ class Draft:
         """No proposals: the iteration is a plain decoding step."""
         return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None)
 
+    def first(self, count: int) -> Draft:
+        """The first `count` proposals of every row."""
+        return Draft(self.tokens[:, :count], None if self.scores is None else self.scores[:, :count])
+
     def probabilities(self, vocab_size: int) -> torch.Tensor:
         """q [batch, G, V] float32."""
         if self.scores is None:

@@ -166,6 +166,8 @@ class DecodingLoop:
             with call.watch.section("draft"):
                 draft = drafter.draft(state, gamma, call.process, setup.do_sample)
                 check_draft(drafter, draft, state.batch_size, gamma, vocab_size)
+                if self.adapter.token_without_position is not None:
+                    draft = self._end_at_token_without_position(state, draft)
         drafts = draft.tokens
         gamma = drafts.shape[1]  # fewer when the draft stopped early (draft_confidence)
         with call.watch.section("verify"):
@@ -189,6 +191,15 @@ class DecodingLoop:
         self._hand_over(Verified(verdict.num_accepted, verdict.num_accepted, kept, hidden, False), index)
         call.drafted_by = index if gamma else None
         return self._advance(call, drafts, verdict.num_accepted, scores, logits, kept, verdict.next_token)
+
+    def _end_at_token_without_position(self, state: DecodeState, draft: Draft) -> Draft:
+        """The drafts up to the first token the forward gives no position (TrOCR's sinusoidal positions skip the pad
+        token): a pass numbers the tokens after it by counting the others, one-token steps by the cache length, which
+        counts it, so no token may follow it in a pass. A pending such token leaves none."""
+        chunk = torch.cat([state.sequences[:, -1:], draft.tokens], dim=1)  # [batch, G+1]: what the pass would take
+        before_others = (chunk[:, :-1] == self.adapter.token_without_position).any(dim=0)  # [G]
+        # the first such index, G where there is none
+        return draft.first(int(torch.cat([before_others, before_others.new_ones(1)]).int().argmax()))
 
     def tree_step(self, call: Call) -> bool:
         """One tree iteration: the drafter's candidate tree (Medusa's fixed shape, or a dynamic one), one verify
