@@ -17,7 +17,10 @@ UNSUPPORTED = {  # families outside selfspec.families, tiny
     "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
     "falcon": {},
     "gptj": {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4},
-}
+    # routed per token: a pad token routed elsewhere regroups the other tokens' expert products (rounding only)
+    "qwen2_moe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+}  # fmt: skip
 
 
 def tiny_whole_model(model_type: str, **config) -> torch.nn.Module:
@@ -271,3 +274,37 @@ def test_batches_stay_exact_where_the_forward_places_tokens_by_the_mask(model_ty
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
         assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False), expected)
     assert spec.stats.accepted > 0
+
+
+def git_model() -> torch.nn.Module:
+    """A tiny GIT (an image-captioning causal LM, run on text alone) of 17 image-patch entries (16 patches, CLS)."""
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    return tiny_whole_model(
+        "git", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vision_config=vision
+    )
+
+
+def test_a_batch_is_refused_where_a_pass_over_the_cache_sees_what_the_mask_hides():
+    """GIT's forward prepends its image-patch entries to a 2D mask once the cache holds anything, image or not, so the
+    mask slides off the positions it names: its own padded batches leave its one-prompt output, and the padding slots
+    selfspec inserts between rows that accept different numbers of drafts would be seen. Batches are refused, padded
+    or not; one prompt stays exact, a left-padded one too (generate reads its mask the same way)."""
+    model = git_model()
+    ids, mask = padded_prompts([16, 5], seed=2)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    alone = model.generate(ids[1:, -5:], max_new_tokens=24, do_sample=False)
+    assert not torch.equal(batched[1, -24:], alone[0, -24:])  # the reference itself depends on the batch
+    spec = SelfSpeculative(model, drafter="ngram")
+    repetitive = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+    for batch, batch_mask in [(ids, mask), (torch.cat([repetitive, random_prompt(16, seed=3)]), None)]:
+        with pytest.raises(UnsupportedGenerationArgument, match=r"GitForCausalLM \(git\) lets a pass over its cache"):
+            spec.generate(batch, attention_mask=batch_mask, max_new_tokens=24)
+    # the tokens this model heads for from most prompts, ahead of a prompt: n-gram drafts of them are accepted
+    echo = torch.tensor([[13, 36, 86, 76, 48, 5, 46, 23, 32, 3, 48, 48, 85, 49, 50, 34, 71, 19]])
+    for prompt, prompt_mask in [(echo, None), (random_prompt(10, seed=2), None), (ids[1:], mask[1:])]:
+        expected = model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=24, do_sample=False)
+        actual = spec.generate(prompt, attention_mask=prompt_mask, max_new_tokens=24, do_sample=False)
+        assert torch.equal(actual, expected)
+        if prompt is echo:
+            assert spec.stats.accepted > 0

@@ -10,6 +10,7 @@ import copy
 import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -280,6 +281,31 @@ class ModelAdapter:
                 "or keeps its state elsewhere. selfspec drafts only where the model reads and writes its past through "
                 "the attention KV cache it is passed."
             )
+
+    @cached_property
+    @torch.no_grad()
+    def hides_cached_padding(self) -> bool:
+        """Whether positions that a 2D attention mask hides stay hidden from later passes over the cache, as a batch's
+        padding needs (the slots selfspec inserts between rows that accept different numbers of drafts included).
+        Probed once on one left-padded row: after its prefill, a pass over two more tokens must come out the same when
+        the pad's cache entries are overwritten. GIT's forward fails it: once the cache holds anything it prepends its
+        image-patch entries to the mask, image or not, so the mask slides off the positions it names."""
+
+        def tensor(rows: list[list[int]]) -> torch.Tensor:
+            return torch.tensor(rows, device=self.device)
+
+        logits = []
+        for overwrite in (False, True):
+            cache = self.new_cache()
+            # positions as `DecodeState.position_ids` numbers a padded row
+            self._forward(tensor([[3, 5, 6]]), tensor([[1, 0, 1]]), cache, tensor([[0, 1, 1]]))
+            if overwrite:  # what the pad left in the cache, made loud: a mask that hides it hides this too
+                for layer in cache.layers:
+                    for entries in (layer.keys, layer.values):
+                        entries[:, :, 0] = 4.0
+            after = self._forward(tensor([[7, 8]]), tensor([[2, 3]]), cache, tensor([[0, 1, 1, 1, 1]]))
+            logits.append(after.logits[:, -2:])  # [1, 2, V]
+        return torch.allclose(*logits)
 
     @staticmethod
     def crop(cache: DynamicCache, num_tokens: int) -> None:

@@ -317,6 +317,13 @@ class DecodingLoop:
                 "positions by cache slot, so the padding slots selfspec inserts between rows that accept different "
                 "numbers of drafts would move them. Generate one prompt at a time."
             )
+        if self.adapter.whole_model_only and not self.adapter.hides_cached_padding:
+            raise UnsupportedGenerationArgument(
+                f"{type(self.adapter.model).__name__} ({self.adapter.model_type}) lets a pass over its cache see "
+                "positions the attention mask hides (GIT's forward prepends its image-patch entries to the mask, image "
+                "or not), so a batch's padding, and the padding slots selfspec inserts between rows that accept "
+                "different numbers of drafts, would be seen. Generate one prompt at a time."
+            )
         self._check_batch_rope(setup, input_ids)
 
     def _check_batch_rope(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
