@@ -308,3 +308,13 @@ def test_a_batch_is_refused_where_a_pass_over_the_cache_sees_what_the_mask_hides
         assert torch.equal(actual, expected)
         if prompt is echo:
             assert spec.stats.accepted > 0
+
+
+def test_a_model_whose_generate_feeds_other_tokens_is_refused_when_the_wrapper_is_built():
+    """XLM's generate appends a mask token to every pass and predicts at it, and its forward takes the whole sequence,
+    slicing off what its cache holds (a pass over the new tokens alone failed inside its attention): refused, by what
+    its `prepare_inputs_for_generation` does, when the wrapper is built."""
+    model = tiny_whole_model("xlm", emb_dim=32, n_layers=2, n_heads=4)
+    for drafter in ("ngram", "suffix"):
+        with pytest.raises(UnsupportedModelError, match=r"XLMWithLMHeadModel \(xlm\): its generate feeds the forward"):
+            SelfSpeculative(model, drafter=drafter)

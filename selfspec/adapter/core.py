@@ -116,6 +116,18 @@ def _generate_at_rope_switch(model: nn.Module, config) -> tuple[str, int] | None
     return ("recompute" if inputs["input_ids"].shape[1] == at + 1 else "restart"), at
 
 
+def _generate_feeds_other_tokens(model: nn.Module) -> bool:
+    """Whether `model.generate`'s first pass feeds the forward other tokens than the prompt, read from its
+    `prepare_inputs_for_generation`: XLM's appends a mask token to every pass and predicts at it, its forward taking
+    the whole sequence and slicing off what its cache holds."""
+    ids = torch.tensor([[3, 4, 5]], device=model.get_output_embeddings().weight.device)
+    inputs = model.prepare_inputs_for_generation(
+        ids, attention_mask=torch.ones_like(ids), next_sequence_length=3, use_cache=True, is_first_iteration=True
+    )
+    fed = inputs.get("input_ids")
+    return fed is None or not torch.equal(fed, ids)
+
+
 @torch.no_grad()
 def _attends_ahead(model: nn.Module) -> bool:
     """Whether the first position's logits change with the token after it: BERT-style causal LMs attend both ways
@@ -184,6 +196,12 @@ class ModelAdapter:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} ({model_type}) has is_decoder=False: its positions attend to later ones, "
                 "so a pass over several drafts computes what one-token steps do not. Load it with is_decoder=True."
+            )
+        if model_type not in SUPPORTED_ARCHITECTURES and _generate_feeds_other_tokens(self.model):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ({model_type}): its generate feeds the forward other tokens than the "
+                "sequence (XLM's appends a mask token to every pass and predicts there), which drafts verified in one "
+                "pass over the sequence's own tokens do not reproduce."
             )
         family = SUPPORTED_ARCHITECTURES.get(model_type)
         stack = getattr(self.model, family.stack, None) if family is not None else self.model.base_model
