@@ -97,6 +97,10 @@ def test_a_model_that_keeps_no_kv_cache_is_refused_not_decoded_wrongly():
     spec = SelfSpeculative(AutoModelForCausalLM.from_config(config).eval(), drafter="suffix")
     with pytest.raises(UnsupportedModelError, match="left the cache empty"):
         spec.generate(random_prompt(6), max_new_tokens=4)
+    ids, mask = padded_prompts([4, 6], seed=1)  # a batch: the padding probe meets the empty cache first
+    with pytest.raises(UnsupportedModelError, match="left the cache empty"):
+        spec.generate(ids, attention_mask=mask, max_new_tokens=4)
+
 
 
 def longrope_model(model_type: str, **extra) -> torch.nn.Module:

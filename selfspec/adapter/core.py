@@ -317,6 +317,7 @@ class ModelAdapter:
             cache = self.new_cache()
             # positions as `DecodeState.position_ids` numbers a padded row
             self._forward(tensor([[3, 5, 6]]), tensor([[1, 0, 1]]), cache, tensor([[0, 1, 1]]))
+            self.check_cache_filled(cache, 3)  # a forward that keeps no cache is refused for that, by name, first
             if overwrite:  # what the pad left in the cache, made loud: a mask that hides it hides this too
                 for layer in cache.layers:
                     for entries in (layer.keys, layer.values):
