@@ -90,6 +90,8 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
     "falcon_h1": "its Mamba layers keep a recurrent state (rule 2)",
     "recurrent_gemma": "its recurrent blocks keep a state (rule 2)",
     "rwkv": "its time-mixing layers keep a recurrent state (rule 2)",
+    "prophetnet": "its decoder runs a pass over cached positions one token at a time and numbers a pass's tokens "
+    "alike, so a pass over several drafts computes what one-token steps do not (rule 3)",
     "granitemoehybrid": "its Mamba layers keep a recurrent state (rule 2)",
     "gemma3": "it is the image-text wrapper, its layers under `.model.language_model` (rule 1); load the text "
     "model, Gemma3ForCausalLM (model type gemma3_text)",

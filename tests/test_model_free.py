@@ -102,6 +102,17 @@ def test_a_model_that_keeps_no_kv_cache_is_refused_not_decoded_wrongly():
         spec.generate(ids, attention_mask=mask, max_new_tokens=4)
 
 
+def test_prophetnet_is_refused_by_name():
+    """ProphetNet's decoder gives every token of a pass over its cache one position (and asserts on such passes):
+    refused when the wrapper is built, not failing inside the first verify pass."""
+    config = AutoConfig.for_model(
+        "prophetnet", vocab_size=96, hidden_size=32, num_encoder_layers=1, num_decoder_layers=2,
+        num_encoder_attention_heads=4, num_decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=128, pad_token_id=0,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"'prophetnet' .*one token at a time"):
+        SelfSpeculative(AutoModelForCausalLM.from_config(config).eval(), drafter="ngram")
+
 
 def longrope_model(model_type: str, **extra) -> torch.nn.Module:
     """A tiny model of `model_type` with a longrope switch at position 24, its attention sharpened so that the
