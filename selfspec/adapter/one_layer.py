@@ -9,8 +9,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, DynamicCache
 
 from ..families import SUPPORTED_ARCHITECTURES, unsupported_message
-from .core import UnsupportedModelError, cache_keyword
+from .core import UnsupportedModelError
 from .grouped import grouped_attention
+from .probes import cache_keyword
 from .unrolled import only_queries, unrolled_attention
 
 LAYOUTS = ("eagle", "eagle3")

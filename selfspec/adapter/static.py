@@ -30,7 +30,8 @@ import weakref
 import torch
 from transformers import CompileConfig, StaticCache
 
-from .core import FINAL, ModelAdapter, UnsupportedModelError, rope_settings
+from .core import FINAL, ModelAdapter, UnsupportedModelError
+from .probes import rope_settings
 
 ROOM = 256  # static caches are sized in multiples of this, so that nearby lengths share one cache and one graph
 
