@@ -18,6 +18,7 @@ from .adaptive import (
     position_cost_at,
 )
 from .call import Call
+from .checks import check_call, check_prompt
 from .drafter import Draft, Drafter, Drafters, Verified, check_draft, pick, target_pass
 from .generation import (
     GenerationSetup,
@@ -58,37 +59,10 @@ class DecodingLoop:
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """Generate as `model.generate` does, with the same arguments and the same return type. A batch
         of prompts is left-padded with an `attention_mask`, as `model.generate` takes it."""
-        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-        if input_ids is None and kwargs.get("inputs_embeds") is not None:
-            raise UnsupportedGenerationArgument("`inputs_embeds` is not supported by selfspec: pass `input_ids`.")
-        if input_ids is None:
-            raise ValueError("Pass the prompt token ids as `input_ids` (or the first positional argument).")
-        if not isinstance(input_ids, torch.Tensor):  # text, or a list of ids: model.generate takes neither
-            raise TypeError(
-                f"The prompt must be a tensor of token ids, got {type(input_ids).__name__}: tokenize it first, "
-                "e.g. spec.generate(**tokenizer(prompt, return_tensors='pt'), max_new_tokens=64)."
-            )
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise ValueError(
-                "The prompt must be a non-empty [batch, length] tensor of token ids; "
-                f"got shape {tuple(input_ids.shape)}."
-            )
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise TypeError(
-                f"The prompt's token ids must be integers; got a tensor of dtype {input_ids.dtype}. Pass the ids the "
-                "tokenizer returned (or .long() them)."
-            )
+        input_ids = check_prompt(inputs if inputs is not None else kwargs.pop("input_ids", None), kwargs)
         input_ids = input_ids.to(self.adapter.device)
         setup = prepare_generation(self.adapter.model, input_ids, generation_config, kwargs)
-        if input_ids.shape[0] > 1:
-            self._check_batch(setup, input_ids)
-        max_positions = self.adapter.max_positions
-        if max_positions is not None and input_ids.shape[1] + setup.max_new_tokens > max_positions:
-            raise ValueError(
-                f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({setup.max_new_tokens}) exceeds the "
-                f"model's maximum of {max_positions} positions."
-            )
-        self._check_rope_restart(input_ids, setup)
+        check_call(self.adapter, self.drafters[0].tree is not None, setup, input_ids)
         started = time.perf_counter()
         call, first_token, scores, logits = self._prefill(input_ids, setup)
         finished = self._advance(call, first_token, torch.zeros_like(first_token[:, 0]), scores, logits, None)
@@ -278,72 +252,13 @@ class DecodingLoop:
         tokens: drop the cache and compute every position again in one pass, pending token included, so that longrope's
         long frequencies (chosen for a whole pass once a position reaches the switch) rotate the past keys too.
         The pending token's entry is then dropped: the iteration's verify pass writes it (one prompt at a time:
-        `_check_batch`). The pass counts as part of the prefill."""
+        `checks.check_batch`). The pass counts as part of the prefill."""
         state = call.state
         state.cache = self.adapter.new_cache(state.length + call.remaining + self.num_draft_tokens + 1)
         with call.watch.section("prefill"):
             args = (state.sequences, state.position_ids(0, state.length), state.cache)
             self.adapter.forward(*args, state.attention_mask(state.length), logits_to_keep=1)
         self.adapter.crop(state.cache, 1)
-
-    def _check_rope_restart(self, input_ids: torch.Tensor, setup: GenerationSetup) -> None:
-        """Refuse a generation that reaches the sequence index at which the model's `generate` drops its cache and goes
-        on from the pending token alone (`ModelAdapter.rope_restart_at`): it forgets the sequence there, which
-        selfspec does not imitate. generate's passes hold width, width + 1, ..., width + max_new_tokens - 1 tokens;
-        the prefill's has no cache to drop."""
-        at, width = self.adapter.rope_restart_at, input_ids.shape[1]
-        if at is not None and width <= at and width + setup.max_new_tokens - 1 >= at + 1:
-            raise UnsupportedGenerationArgument(
-                f"{type(self.adapter.model).__name__}'s generate drops its cache when the sequence first holds "
-                f"{at + 1} tokens (its longrope switch) and goes on from the last token alone, forgetting the rest; "
-                f"selfspec does not follow it there. Keep the prompt plus max_new_tokens within {at + 1} tokens, or "
-                f"start from a prompt longer than {at} tokens."
-            )
-
-    def _check_batch(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
-        """A batch: what runs one prompt at a time is refused. (Without `attention_mask`, the pad tokens are
-        masked as `generate` masks them: `prepare_generation`.)"""
-        if setup.streamer is not None:
-            raise UnsupportedGenerationArgument("`streamer` takes one sequence: stream one prompt at a time.")
-        if setup.config.output_scores or setup.config.output_logits:
-            raise UnsupportedGenerationArgument(
-                "`output_scores` / `output_logits` are supported for one prompt at a time."
-            )
-        if self.drafters[0].tree is not None:
-            raise UnsupportedGenerationArgument("Tree verification runs one prompt at a time; use a chain for batches.")
-        if not self.adapter.padding_keeps_positions:
-            raise UnsupportedGenerationArgument(
-                f"{type(self.adapter.model).__name__} ({self.adapter.model_type}) takes no position_ids: it numbers "
-                "positions by cache slot, so the padding slots selfspec inserts between rows that accept different "
-                "numbers of drafts would move them. Generate one prompt at a time."
-            )
-        if self.adapter.whole_model_only and not self.adapter.hides_cached_padding:
-            raise UnsupportedGenerationArgument(
-                f"{type(self.adapter.model).__name__} ({self.adapter.model_type}) lets a pass over its cache see "
-                "positions the attention mask hides (GIT's forward prepends its image-patch entries to the mask, image "
-                "or not), so a batch's padding, and the padding slots selfspec inserts between rows that accept "
-                "different numbers of drafts, would be seen. Generate one prompt at a time."
-            )
-        self._check_batch_rope(setup, input_ids)
-
-    def _check_batch_rope(self, setup: GenerationSetup, input_ids: torch.Tensor) -> None:
-        """Refuse a batch whose generation could cross a longrope switch: `generate` moves every row to the long
-        frequencies at one step (its least padded row's position; Phi3's recomputes the cache by padded width), which
-        rows that accept different numbers of drafts, or leave the batch, cannot follow."""
-        switch, recompute, mask = self.adapter.rope_switch, self.adapter.rope_recompute_at, setup.attention_mask
-        if switch is None:
-            return
-        width, new = input_ids.shape[1], setup.max_new_tokens
-        pads = (mask == 0).sum(dim=1).tolist() if mask is not None else [0]
-        # generate's last pass: position width - 1 - min(pads) + new - 1, padded width width + new - 1
-        short = width - min(pads) + new - 2 < switch and (recompute is None or width + new - 2 < recompute)
-        if not short and width - max(pads) <= switch:  # nor is every row's first pending token past it
-            raise UnsupportedGenerationArgument(
-                f"This batch's generation crosses the longrope switch of {self.adapter.model_type} (position {switch}),"
-                " where generate moves every row to the long frequencies at one step, which rows that accept different "
-                "numbers of drafts cannot follow. Generate these prompts one at a time, or keep the padded width plus "
-                f"max_new_tokens within {switch + 1}."
-            )
 
     def _prefill(self, input_ids: torch.Tensor, setup: GenerationSetup):
         """One full pass over the prompts. Returns the call state, the first generated token [batch, 1]
