@@ -149,8 +149,6 @@ def test_bench_runs_fixed_chains_and_reports_acceptance_by_position(tmp_path, ca
     assert len(three["proposed_per_position"]) == 3
     assert three["accepted_per_position"] == sorted(three["accepted_per_position"], reverse=True)  # a chain
     assert f"| selfspec eagle chain 3 (fixed) | {three['tokens_per_pass']:.2f} |" in table
-    with pytest.raises(SystemExit, match="--chains takes chain lengths of 1 or more"):
-        main([*args, "--heads", str(tmp_path / "eagle"), "--chains", "0"])
     with pytest.raises(SystemExit, match="--chains needs EAGLE heads"):
         main([*args, "--chains", "2"])
 
@@ -162,10 +160,6 @@ def test_bench_runs_lookup_merged_into_eagle_trees(tmp_path):
     merged = {row["contender"]: row for row in rows if "merged" in row["contender"]}
     assert set(merged) == {"selfspec merged ngram 3 + eagle tree 2-2-1", "selfspec merged ngram 2 + eagle tree 3-1-3"}
     assert all(row["matched"] is True and row["tokens_per_pass"] >= 1.0 for row in merged.values())
-    errors = {"2-2/3": "NODES-TOP_K-DEPTH/LOOKUP_TOKENS", "2-0-1/3": "must be 1 or more", ",": "got ','"}
-    for bad, message in errors.items():
-        with pytest.raises(SystemExit, match=message):
-            main([*args, "--merged_trees", bad])
     with pytest.raises(SystemExit, match="--merged_trees needs EAGLE heads"):
         main([*args[:-2], "--merged_trees", "2-2-1/3"])
 
@@ -222,8 +216,9 @@ def test_loop_profile_times_the_eagle_tree_and_the_merged_tree_section_by_sectio
     # the EAGLE modes draft from the target's draft vocabulary, as the bench runs them; the others never do
     assert loop_profile.mode_options(None, "eagle", {"eagle": "heads"}, 3, ({}, 3), [5])["draft_vocab"] == [5]
     assert "draft_vocab" not in loop_profile.mode_options(None, "ngram", {}, 3, ({}, 3), [5])
-    with pytest.raises(SystemExit, match="--merged_tree takes NODES-TOP_K-DEPTH"):
+    with pytest.raises(SystemExit) as stopped:
         loop_profile.main([*argv[:-4], "--merged_tree", "2-2"])
+    assert stopped.value.code == 2 and "--merged_tree: expected NODES-TOP_K-DEPTH" in capsys.readouterr().err
 
 
 def test_loop_profile_runs_a_committed_version_beside_the_working_tree_on_prompts_per_category(tmp_path, capsys):

@@ -40,24 +40,6 @@ from .options import BUNDLED, check_plotting, encode, load_target, output_folder
 from .parsers import BENCH_TEMPERATURE
 
 
-def merged_shapes(text: str, option: str = "--merged_trees") -> list[tuple[dict, int]]:
-    """`option`: [(the EAGLE tree, lookup's chain length)] from NODES-TOP_K-DEPTH/LOOKUP, comma-separated."""
-    usage = f"{option} takes NODES-TOP_K-DEPTH/LOOKUP_TOKENS such as 2-2-1/6, comma-separated"
-    shapes = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        try:
-            tree, lookup = item.split("/")
-            nodes, top_k, depth, lookup = (*(int(value) for value in tree.split("-")), int(lookup))
-        except ValueError:
-            raise SystemExit(f"{usage}; got {item!r}") from None
-        if min(nodes, top_k, depth, lookup) < 1:
-            raise SystemExit(f"{option}: every number of {item!r} must be 1 or more")
-        shapes.append(({"nodes": nodes, "top_k": top_k, "depth": depth}, lookup))
-    if not shapes:
-        raise SystemExit(f"{usage}; got {text!r}")
-    return shapes
-
-
 def run_bench_command(args: argparse.Namespace) -> int:
     import platform
 
@@ -117,15 +99,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.compile:
         contenders += compiled_contenders(model, heads.get(MedusaHeads), heads.get(EagleHeads), vocab)
     if args.chains:
-        try:
-            lengths = [int(k) for k in args.chains.split(",") if k.strip()]
-        except ValueError:
-            raise SystemExit(f"--chains takes comma-separated lengths such as 1,2,3; got {args.chains!r}") from None
-        if not lengths or min(lengths) < 1:
-            raise SystemExit(f"--chains takes chain lengths of 1 or more; got {args.chains!r}")
         if heads.get(EagleHeads) is None:
             raise SystemExit("--chains needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
-        contenders += chain_contenders(model, heads.get(EagleHeads), vocab, lengths)
+        contenders += chain_contenders(model, heads.get(EagleHeads), vocab, args.chains)
     temperature = None if args.no_sampling else args.temperature
     contenders += merged_field(args, model, heads, vocab, temperature)
     if args.suffix_memory:
@@ -250,13 +226,13 @@ def merged_field(args: argparse.Namespace, model, heads: dict, vocab, temperatur
         return []
     if heads.get(EagleHeads) is None:
         raise SystemExit("--merged_trees needs EAGLE heads (the bundled head of smollm2-135m-instruct, or --heads)")
-    return merged_contenders(model, heads[EagleHeads], vocab, merged_shapes(args.merged_trees), temperature)
+    return merged_contenders(model, heads[EagleHeads], vocab, args.merged_trees, temperature)
 
 
 def memory_field(args: argparse.Namespace, model, tokenizer, heads: dict, vocab, temperature=None) -> list:
     """`--suffix_memory`'s contenders (`memory_contenders`), merged into the `--merged_trees` shapes where given,
     greedy and at `temperature` (None: greedy only)."""
-    shapes = merged_shapes(args.merged_trees) if args.merged_trees else ()
+    shapes = args.merged_trees or ()
     answers = suffix_memory(args, tokenizer)
     return memory_contenders(model, answers, heads.get(EagleHeads), vocab, shapes, temperature)
 

@@ -36,9 +36,8 @@ from pathlib import Path
 import torch
 
 from ..measure.prompts import first_per_category
-from .commands import merged_shapes
 from .options import encode, load_target
-from .parsers import HelpFormatter, add_model_arguments
+from .parsers import HelpFormatter, add_model_arguments, merged_tree_shapes
 
 ROOT = "iteration"
 DRAFT_SECTIONS = ("draft", "draft check", "choose drafter")
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="plain,medusa,exit,tree,ngram", help=", ".join(MODES))
     parser.add_argument(
         "--merged_tree",
-        type=lambda text: merged_shapes(text, "--merged_tree")[0],
+        type=lambda text: merged_tree_shapes(text)[0],
         default="6-2-4/10",
         help="NODES-TOP_K-DEPTH/LOOKUP_TOKENS: the EAGLE tree of eagle_tree and merged, and lookup's chain in merged",
     )

@@ -44,6 +44,25 @@ def positive_list(text: str) -> list[int]:
     return [positive(part) for part in parts]
 
 
+def merged_tree_shapes(text: str) -> list[tuple[dict, int]]:
+    """An argparse type: [(an EAGLE tree, lookup's chain length)] from NODES-TOP_K-DEPTH/LOOKUP_TOKENS, comma-separated
+    ("2-2-1/6,6-2-4/10")."""
+    usage = "expected NODES-TOP_K-DEPTH/LOOKUP_TOKENS such as 2-2-1/6, comma-separated"
+    shapes = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            tree, lookup = item.split("/")
+            nodes, top_k, depth, lookup = (*(int(value) for value in tree.split("-")), int(lookup))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{usage}; got {item!r}") from None
+        if min(nodes, top_k, depth, lookup) < 1:
+            raise argparse.ArgumentTypeError(f"every number of {item!r} must be 1 or more")
+        shapes.append(({"nodes": nodes, "top_k": top_k, "depth": depth}, lookup))
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"{usage}; got {text!r}")
+    return shapes
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     try:
@@ -178,11 +197,13 @@ def add_bench_parser(commands) -> None:
     )
     bench.add_argument(
         "--chains",
+        type=positive_list,
         help="also run the EAGLE head's greedy chains at these fixed lengths, e.g. 1,2,3,4,5 (the adaptive "
         "controller off): tokens per pass and acceptance by position, which do not depend on the machine",
     )
     bench.add_argument(
         "--merged_trees",
+        type=merged_tree_shapes,
         help="also run n-gram lookup merged into the EAGLE head's dynamic trees of these shapes, "
         "NODES-TOP_K-DEPTH/LOOKUP_TOKENS, comma-separated, e.g. 2-2-1/6,6-2-4/10 (one verify pass per tree)",
     )
