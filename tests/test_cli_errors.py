@@ -191,3 +191,16 @@ def test_a_heads_dir_below_a_file_is_refused_before_training(tmp_path):
         assert (tmp_path / "file").read_text() == "x" and not (tmp_path / "r").exists()
     finally:
         sys.path.remove(str(ROOT / "training"))
+
+
+def test_demo_and_tune_refuse_a_prompt_too_long_for_the_model_before_any_run(monkeypatch):
+    import selfspec.measure.tune
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run started before the prompt's length was refused")
+
+    monkeypatch.setattr(demo, "run_bench", refuse)
+    monkeypatch.setattr(selfspec.measure.tune, "tune", refuse)
+    for command in (["demo", "--model", "demo"], ["tune", "--dry_run"]):  # the demo target has 1024 positions
+        with pytest.raises(SystemExit, match=r"prompt 1 \(\d+ tokens\) plus --max_new_tokens 1100 exceeds .* 1024"):
+            main([*command, "--num_prompts", "1", "--max_new_tokens", "1100"])

@@ -36,7 +36,7 @@ from ..measure.contenders import (
 from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
-from .options import BUNDLED, check_plotting, encode, load_target, output_folder
+from .options import BUNDLED, check_plotting, check_prompt_lengths, encode, load_target, output_folder
 from .parsers import BENCH_TEMPERATURE
 
 
@@ -181,17 +181,6 @@ def check_exit_layers(args: argparse.Namespace, layers: int) -> None:
                              f"1 to {layers - 1})")  # fmt: skip
 
 
-def check_prompt_lengths(inputs: list, max_new_tokens: int, limit: int | None) -> None:
-    """Every prompt and its new tokens fit the model's `limit` positions (None: no limit), as `generate` will
-    require: checked before any run, naming the prompt."""
-    for number, ids in enumerate(inputs, 1):
-        if limit is not None and ids.shape[1] + max_new_tokens > limit:
-            raise SystemExit(
-                f"prompt {number} ({ids.shape[1]} tokens) plus --max_new_tokens {max_new_tokens} exceeds the "
-                f"model's {limit} positions: shorten it or lower --max_new_tokens"
-            )
-
-
 def only_kept(args: argparse.Namespace, contenders: list, labels: list[str] = ("",)) -> list:
     """The baselines and the contenders `--only` names: a comma-separated part of it occurs in the name, or in the
     name of one of its variants (`variant_labels`); SystemExit where it names none. A name holds commas itself
@@ -320,6 +309,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
     if not heads:
         raise SystemExit("selfspec tune needs trained heads: pass --heads PATH")
     inputs = encode(tokenizer, prompts[: args.num_prompts], model.device)
+    check_prompt_lengths(inputs, args.max_new_tokens, ModelAdapter(model).max_positions)
     batch_sizes = tuple(args.batch_sizes)
     paths = args.heads or default_heads(args.model or DEFAULT_TARGET)
     for path, draft_heads in zip(paths, heads.values(), strict=True):

@@ -19,6 +19,7 @@ import textwrap
 
 import torch
 
+from ..adapter import ModelAdapter
 from ..heads import EagleHeads, ExitHeads, MedusaHeads
 from ..measure.bench import COLUMNS, markdown_table, run_bench
 from ..measure.contenders import (
@@ -35,6 +36,7 @@ from ..measure.ties import TIE, TIE_STEPS
 from ..targets import DEMO_TARGET, known_target
 from .options import (
     check_plotting,
+    check_prompt_lengths,
     default_dtype,
     encode,
     load_target,
@@ -135,7 +137,6 @@ def demo_memory(name: str, tokenizer) -> list[list[int]] | None:
 
 def alpha_by_depth(model, heads: ExitHeads, sequences: list[torch.Tensor]) -> list[dict]:
     """Analytic alpha per exit depth, untrained exit next to trained heads, on the given token sequences."""
-    from ..adapter import ModelAdapter
     from ..measure.profile import evaluate, report_rows, untrained_like
 
     adapter = ModelAdapter(model)
@@ -229,6 +230,7 @@ def run_demo(args: argparse.Namespace) -> int:
     model, tokenizer, heads, prompts, vocab = load_target(args)
     prompts = prompts[: args.num_prompts]
     inputs = encode(tokenizer, prompts, model.device)
+    check_prompt_lengths(inputs, args.max_new_tokens, ModelAdapter(model).max_positions)
     best_only = args.model in BEST_MODES_ONLY
     memory = demo_memory(args.model, tokenizer) if best_only and EagleHeads in heads else None
     contenders = demo_contenders(model, heads, vocab, best_only=best_only, memory=memory)

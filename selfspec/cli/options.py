@@ -142,3 +142,14 @@ def encode(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
     # a chat prompt holds its template's special tokens already
     return [tokenizer(prompt, return_tensors="pt", add_special_tokens=not isinstance(prompt, ChatPrompt))
             .input_ids.to(device) for prompt in prompts]  # fmt: skip
+
+
+def check_prompt_lengths(inputs: list, max_new_tokens: int, limit: int | None) -> None:
+    """Every prompt and its new tokens fit the model's `limit` positions (None: no limit), as `generate` will
+    require: checked before any run, naming the prompt."""
+    for number, ids in enumerate(inputs, 1):
+        if limit is not None and ids.shape[1] + max_new_tokens > limit:
+            raise SystemExit(
+                f"prompt {number} ({ids.shape[1]} tokens) plus --max_new_tokens {max_new_tokens} exceeds the "
+                f"model's {limit} positions: shorten it or lower --max_new_tokens"
+            )
