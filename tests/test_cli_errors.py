@@ -79,6 +79,11 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
         (["--batch_sizes", "1", "--temperature", "0.7"], "--temperature .* --batch_sizes measures greedy decoding"),
         (["--workload", "repeated", "--temperature", "0.7"], "--workload repeated measures greedy decoding"),
         (["--no_sampling", "--temperature", "0.7"], "which --no_sampling leaves out"),
+        (["--workload", "repeated", "--chains", "1,2"], "--chains is an option of the Spec-Bench runs; --workload rep"),
+        (["--workload", "repeated", "--prompts", "p.json"], "--prompts is an option of the Spec-Bench runs"),
+        (["--workload", "repeated", "--no_transformers"], "--no_transformers is an option of the Spec-Bench runs"),
+        (["--workload", "repeated", "--limit_per_category", "2"], "--limit_per_category is an option of the Spec-"),
+        (["--workload", "repeated", "--compile"], "--compile is an option of the Spec-Bench runs"),
     ]:
         with pytest.raises(SystemExit, match=problem):
             main(["bench", *extra])

@@ -60,9 +60,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.temperature is not None and args.no_sampling:
         raise SystemExit("--temperature sets the sampling contenders, which --no_sampling leaves out")
     args.temperature = BENCH_TEMPERATURE if args.temperature is None else args.temperature
-    if args.batch_sizes:
-        check_batch_options(args)
-    else:
+    if other_run:
+        check_other_run(args, other_run)
+    if not args.batch_sizes:
         check_plotting()
     if args.assistant_exit_layers and args.no_transformers:
         raise SystemExit("--assistant_exit_layers sets transformers' early-exit contenders, which --no_transformers "
@@ -156,19 +156,26 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# the Spec-Bench runs' options that --batch_sizes does not take (it has no contenders to choose, nor categories)
-BATCH_OPTIONS = ("only", "chains", "merged_trees", "compile", "assistant_exit_layers", "untrained_exit_layer",
-                 "limit_per_category")  # fmt: skip
+# the Spec-Bench runs' options that the other runs do not read: --batch_sizes measures one chain drafter (no
+# contenders to choose, nor categories); --workload repeated asks its own prompts of its own field, greedy
+SPEC_BENCH_OPTIONS = {
+    "--batch_sizes": ("only", "chains", "merged_trees", "compile", "assistant_exit_layers", "untrained_exit_layer",
+                      "limit_per_category"),
+    "--workload repeated": ("chains", "compile", "assistant_exit_layers", "untrained_exit_layer", "limit_per_category",
+                            "prompts", "no_transformers"),
+}  # fmt: skip
 
 
-def check_batch_options(args: argparse.Namespace) -> None:
-    """--batch_sizes measures one chain drafter over the prompts: options of the Spec-Bench runs are refused."""
-    given = [name for name in BATCH_OPTIONS if getattr(args, name) not in (None, False)]
-    if given:
-        raise SystemExit(f"--{given[0]} is an option of the Spec-Bench runs; --batch_sizes takes none of "
-                         f"{', '.join('--' + name for name in BATCH_OPTIONS)}")  # fmt: skip
-    if args.workload == "repeated":
+def check_other_run(args: argparse.Namespace, run: str) -> None:
+    """`run` (--batch_sizes or --workload repeated) is a run of its own: the Spec-Bench runs' options it would
+    ignore are refused, naming the first."""
+    if args.batch_sizes and args.workload == "repeated":
         raise SystemExit("--batch_sizes and --workload repeated are separate runs: pass one of them")
+    unread = SPEC_BENCH_OPTIONS[run]
+    given = [name for name in unread if getattr(args, name) not in (None, False)]
+    if given:
+        raise SystemExit(f"--{given[0]} is an option of the Spec-Bench runs; {run} takes none of "
+                         f"{', '.join('--' + name for name in unread)}")  # fmt: skip
 
 
 def check_exit_layers(args: argparse.Namespace, layers: int) -> None:
