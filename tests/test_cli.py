@@ -80,6 +80,19 @@ def test_a_missing_extra_is_named(monkeypatch):
         main(["demo"])
 
 
+def test_profile_names_a_missing_wandb_before_its_run(monkeypatch, tmp_path):
+    import selfspec.measure.profile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the profile ran before the missing wandb was named")
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an install without the [train] extra
+    monkeypatch.setattr(selfspec.measure.profile, "profile_heads", refuse)
+    message = "selfspec profile needs wandb, which is in selfspec's [train] extra"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["profile", "--report_to", "wandb", "--output", str(tmp_path)])
+
+
 def test_the_demo_runs_on_its_own_extras(tmp_path):
     """README command 1 installs `.[demo,smollm2]` alone: the demo runs with the [train] extra's datasets, wandb and
     peft absent (a module-level import of training code broke it once)."""

@@ -58,6 +58,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from .options import check_plotting, output_folder, set_threads, target_path
 
     check_plotting()
+    if args.report_to == "wandb":
+        import wandb  # now: a missing [train] extra stops the command before its run, not after it
     if args.heads and args.exit_layers:
         raise SystemExit("selfspec profile: --exit_layers profiles untrained exits; trained --heads have their own "
                          "layers: pass one of them")  # fmt: skip
@@ -104,8 +106,6 @@ def run_profile(args: argparse.Namespace) -> int:
     plot_alpha(rows, output / "alpha_by_depth.png", f"{Path(path).name}: acceptance rate per draft depth")
     print(f"plot: {output / 'alpha_by_depth.png'}")
     if args.report_to == "wandb":
-        import wandb
-
         configure_wandb("auto")
         run = wandb.init(project=args.project, dir=str(output), config=vars(args))
         run.log(wandb_objects(rows))
