@@ -37,11 +37,16 @@ positive, non_negative = counted(1), counted(0)
 
 
 def positive_list(text: str) -> list[int]:
-    """An argparse type: comma-separated integers of 1 or more ("1,2,4")."""
+    """An argparse type: comma-separated integers of 1 or more, each once ("1,2,4"; one given twice would run or
+    report twice under one name)."""
     parts = [part.strip() for part in text.split(",")]
     if not all(parts):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,2,4, got {text!r}")
-    return [positive(part) for part in parts]
+    values = [positive(part) for part in parts]
+    repeated = next((value for number, value in enumerate(values) if value in values[:number]), None)
+    if repeated is not None:
+        raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}")
+    return values
 
 
 def merged_tree_shapes(text: str) -> list[tuple[dict, int]]:
@@ -57,7 +62,10 @@ def merged_tree_shapes(text: str) -> list[tuple[dict, int]]:
             raise argparse.ArgumentTypeError(f"{usage}; got {item!r}") from None
         if min(nodes, top_k, depth, lookup) < 1:
             raise argparse.ArgumentTypeError(f"every number of {item!r} must be 1 or more")
-        shapes.append(({"nodes": nodes, "top_k": top_k, "depth": depth}, lookup))
+        shape = ({"nodes": nodes, "top_k": top_k, "depth": depth}, lookup)
+        if shape in shapes:
+            raise argparse.ArgumentTypeError(f"{item!r} is given twice in {text!r}")
+        shapes.append(shape)
     if not shapes:
         raise argparse.ArgumentTypeError(f"{usage}; got {text!r}")
     return shapes
