@@ -65,6 +65,18 @@ def test_profile_without_model_runs_on_the_bundled_target_and_its_heldout_files(
     assert (tmp_path / "alpha_by_depth.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_profile_refuses_rows_longer_than_the_model_before_its_run(monkeypatch, tmp_path):
+    import selfspec.measure.profile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the profile ran on rows longer than the model's positions")
+
+    monkeypatch.setattr(cli, "bundled_heldout", lambda: bundled_heldout().split(",")[0])
+    monkeypatch.setattr(selfspec.measure.profile, "profile_heads", refuse)
+    with pytest.raises(SystemExit, match="--seq_len 1025 exceeds the model's 1024 positions"):  # the demo target's
+        main(["profile", "--seq_len", "1025", "--max_rows", "1", "--output", str(tmp_path)])
+
+
 def test_profile_with_model_needs_data():
     with pytest.raises(SystemExit, match="--model needs --data"):
         main(["profile", "--model", str(BUNDLED)])

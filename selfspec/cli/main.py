@@ -74,6 +74,9 @@ def run_profile(args: argparse.Namespace) -> int:
         raise SystemExit("selfspec profile --model needs --data: held-out text for that model (file globs or a folder)")
     model, tokenizer = load_cli_model(args.model, args.dtype)
     adapter = ModelAdapter(model)
+    if adapter.max_positions is not None and args.seq_len > adapter.max_positions:
+        raise SystemExit(f"selfspec profile: --seq_len {args.seq_len} exceeds the model's {adapter.max_positions} "
+                         "positions: lower it")  # fmt: skip
     if heads_path:
         heads, trained = load_heads(heads_path, adapter), True
     else:
