@@ -237,8 +237,6 @@ def suffix_memory(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """The answers of `--suffix_memory` (`selfspec.chat.chat_answers`), or SystemExit naming what is wrong."""
     from ..chat import chat_answers
 
-    if args.suffix_memory_tokens is not None and args.suffix_memory_tokens < 1:
-        raise SystemExit(f"--suffix_memory_tokens must be positive; got {args.suffix_memory_tokens}")
     try:
         return chat_answers(args.suffix_memory, tokenizer, args.suffix_memory_tokens)
     except (OSError, ValueError) as error:
