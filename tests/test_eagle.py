@@ -9,9 +9,9 @@ import contextlib
 import pytest
 import torch
 from test_batch import assert_rows_exact
-from test_sampling_exactness import ROWS, VOCAB, chi_square_pvalue, exact_law, sampled_counts
+from test_sampling_exactness import PROMPT, ROWS, VOCAB, NoRepeat, chi_square_pvalue, exact_law, sampled_counts
 from tiny_models import ARCHITECTURES, NEW_ARCHITECTURES, random_prompt, tiny_model
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessorList
 
 from selfspec import SelfSpeculative
 from selfspec.adapter import ModelAdapter, UnsupportedModelError, unrolled
@@ -318,6 +318,27 @@ def test_dynamic_tree_sampling_is_distributed_as_the_target():
     )
     counts = sampled_counts(spec, temperature=0.8)  # trees verify one prompt at a time
     assert chi_square_pvalue(counts, exact_law(model, temperature=0.8)) > 1e-3
+
+
+def test_a_full_tree_samples_as_the_target_under_a_processor_that_reads_the_ids():
+    """Every path is a candidate (4 tokens, top_k 4, depth 2), so each call's walk accepts two candidates, on any
+    branch, and the target is processed at nodes of every branch with a processor that reads the ids (the last
+    token may not come again): each node must be processed after its own path, not another branch's."""
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB, num_layers=3, hidden=16, logit_scale=20.0)
+    tree = {"nodes": 20, "top_k": 4, "depth": 2}
+    spec = SelfSpeculative(model, heads=eagle_heads(model, seed=2), tree=tree, adaptive=False)
+    processing = {"do_sample": True, "temperature": 0.8, "logits_processor": LogitsProcessorList([NoRepeat()])}
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB**3, dtype=torch.float64)
+    for _ in range(200):
+        out = spec.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=5, **processing)
+        tokens = out[0, PROMPT.shape[1] - 1 :]  # the prompt's last token, then five new ones
+        assert bool((tokens[1:] != tokens[:-1]).all()), tokens.tolist()  # at the root, at depths 1 and 2, after
+        assert spec.stats.accepted == 2  # the first iteration's tree accepts two; the last token is a plain step
+        t1, t2, t3 = tokens[1:4].tolist()
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    pvalue = chi_square_pvalue(counts, exact_law(model, no_repeat=True, temperature=0.8))
+    assert pvalue > 1e-3, f"sampled law differs from the target's (chi-square p = {pvalue:.2e})"
 
 
 def test_save_load_round_trip_drafts_the_same(trained, tmp_path):
