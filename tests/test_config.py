@@ -102,7 +102,21 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--train.copy_rows", "-1"], "train.copy_rows must be at least 0, got -1"),
         (["--train.copy_segment", "0"], "train.copy_segment must be at least 2, got 0"),
         (["--train.copy_repeats", "1"], "train.copy_repeats must be at least 2, got 1"),
-        (["--train.teacher_temperature", "0"], "train.teacher_temperature must be positive, got 0"),
+        (["--train.teacher_temperature", "0"], "train.teacher_temperature must be positive and finite, got 0"),
+        # numbers the optimizer or schedule would take silently (a negative floor: gradient ascent at the end), or
+        # that AdamW refuses only after the target and data are loaded; "nan" and "inf" parse as floats
+        (["--train.lr", "nan"], "train.lr must be positive and finite, got nan"),
+        (["--train.lr", "inf"], "train.lr must be positive and finite, got inf"),
+        (["--train.min_lr_ratio", "-0.5"], r"train.min_lr_ratio must be in \[0, 1\], got -0.5"),
+        (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio must be in \[0, 1\], got 2.0"),
+        (["--train.warmup_steps", "-5"], "train.warmup_steps must be at least 0, got -5"),
+        (["--train.weight_decay", "-0.1"], "train.weight_decay must be 0 or more, finite, got -0.1"),
+        (["--train.beta1", "1.5"], r"train.beta1 must be in \[0, 1\), got 1.5"),
+        (["--train.beta2", "1"], r"train.beta2 must be in \[0, 1\), got 1.0"),
+        (["--train.grad_clip", "-1"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got -1.0"),
+        (["--train.grad_clip", "nan"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got nan"),
+        (["--train.teacher_temperature", "inf"], "train.teacher_temperature must be positive and finite, got inf"),
+        (["--lora.alpha", "0"], "lora.alpha must be positive and finite"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

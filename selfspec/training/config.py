@@ -11,6 +11,7 @@ naming the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -148,6 +149,12 @@ def _at_least(section: str, config: Any, minimum: int, names: tuple[str, ...]) -
             raise ValueError(f"{section}.{name} must be at least {minimum}, got {getattr(config, name)}")
 
 
+def _require(key: str, value: Any, holds: bool, expected: str) -> None:
+    """`holds`: a comparison that NaN fails too (`0 < x < math.inf`), so "nan" and "inf" are named like any value."""
+    if not holds:
+        raise ValueError(f"{key} must be {expected}, got {value}")
+
+
 def _one_of(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
@@ -236,6 +243,7 @@ class DraftLoraConfig:
         _one_of("lora.init", self.init, ("default", "gaussian"))
         if self.r < 0:
             raise ValueError(f"lora.r must be 0 (no adapter) or a positive rank, got {self.r}")
+        _require("lora.alpha", self.alpha, 0 < self.alpha < math.inf, "positive and finite (0 silences the adapter)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         check_target(self.target)
@@ -284,10 +292,15 @@ class TrainConfig:
         _at_least("train", self, 2, ("copy_repeats",))
         if self.num_threads is not None:
             _at_least("train", self, 1, ("num_threads",))
-        if self.lr <= 0:
-            raise ValueError(f"train.lr must be positive, got {self.lr}")
-        if not self.teacher_temperature > 0:
-            raise ValueError(f"train.teacher_temperature must be positive, got {self.teacher_temperature}")
+        _at_least("train", self, 0, ("warmup_steps",))
+        _require("train.lr", self.lr, 0 < self.lr < math.inf, "positive and finite")
+        _require("train.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        _require("train.weight_decay", self.weight_decay, 0 <= self.weight_decay < math.inf, "0 or more, finite")
+        for name in ("beta1", "beta2"):  # AdamW's own check would come after the target and data are loaded
+            _require(f"train.{name}", getattr(self, name), 0 <= getattr(self, name) < 1, "in [0, 1)")
+        _require("train.grad_clip", self.grad_clip, 0 <= self.grad_clip < math.inf, "0 (no clipping) or more, finite")
+        temperature = self.teacher_temperature
+        _require("train.teacher_temperature", temperature, 0 < temperature < math.inf, "positive and finite")
 
 
 @dataclass
