@@ -117,6 +117,10 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--train.grad_clip", "nan"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got nan"),
         (["--train.teacher_temperature", "inf"], "train.teacher_temperature must be positive and finite, got inf"),
         (["--lora.alpha", "0"], "lora.alpha must be positive and finite"),
+        # 0 was taken as unset (`or` the default) where the heads are built and where their gamma is read
+        (["--heads.intermediate_size", "0"], "heads.intermediate_size must be at least 1, got 0"),
+        (["--heads.num_draft_tokens", "0"], "heads.num_draft_tokens must be at least 1, got 0"),
+        (["--heads.num_draft_tokens", "-2"], "heads.num_draft_tokens must be at least 1, got -2"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -227,6 +227,9 @@ class HeadsConfig:
         _one_of("heads.layout", self.layout, LAYOUTS)
         if self.exit_layers is not None and not self.exit_layers:
             raise ValueError("heads.exit_layers must list at least one depth (or be null for the default spread)")
+        for name in ("intermediate_size", "num_draft_tokens"):  # 0 read as "unset" downstream: the default silently
+            if getattr(self, name) is not None:
+                _at_least("heads", self, 1, (name,))
 
 
 @dataclass
