@@ -80,6 +80,30 @@ def test_frequent_tokens():
     assert frequent_tokens(ids, 2).tolist() == [1, 5]  # 1 (4 times) and 5 (4 times), sorted by id
     assert frequent_tokens(ids, 1, always=[9]).tolist() == [1, 9]
     assert frequent_tokens([ids[0], ids[1]], 3).tolist() == [1, 2, 5]
+    for count in (0, -1):  # a slice [:-1] kept every id seen but the rarest one
+        with pytest.raises(ValueError, match=f"count must be a positive number of ids, got {count}"):
+            frequent_tokens(ids, count)
+
+
+@pytest.mark.parametrize("count", ["0", "-5"])
+def test_make_draft_vocab_refuses_a_count_below_one_before_loading_the_target(count, monkeypatch, tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    import make_draft_vocab
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(make_draft_vocab, "load_model", load_model)
+    out = tmp_path / "vocab.json"
+    argv = ["make_draft_vocab.py", "--data", str(tmp_path / "chat.jsonl"), "--out", str(out), "--count", count]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        make_draft_vocab.main()
+    assert stopped.value.code == 2 and f"argument --count: must be 1 or more, got {count}" in capsys.readouterr().err
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------ int8 draft LM head

@@ -20,20 +20,21 @@ import torch
 
 from selfspec.adapter import frequent_tokens
 from selfspec.chat import chat_answers
+from selfspec.cli.parsers import positive
 from selfspec.targets import load_model
 
 COUNT = 8192  # draft vocabulary size (plus EOS)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", required=True, help="jsonl (or .jsonl.gz) files with chat messages: "
                         "the vocabulary is counted here")  # fmt: skip
     parser.add_argument("--heldout", nargs="+", help="jsonl files with chat messages: the coverage is measured here")
     parser.add_argument("--out", required=True, help="the JSON list to write")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="whose tokenizer")
-    parser.add_argument("--count", type=int, default=COUNT)
-    args = parser.parse_args()
+    parser.add_argument("--count", type=positive, default=COUNT, help="the most frequent answer ids kept (plus EOS)")
+    args = parser.parse_args(argv)
     _, tokenizer = load_model(args.target, dtype="bfloat16")  # only the tokenizer is used
     answers = [answer for path in args.data for answer in chat_answers(path, tokenizer)]
     ids = frequent_tokens(answers, args.count, always=[tokenizer.eos_token_id])

@@ -196,6 +196,8 @@ def frequent_tokens(token_ids, count: int, always=()) -> torch.Tensor:
     """The `count` most frequent token ids in `token_ids` (a tensor, or an iterable of tensors, e.g. your
     tokenised data), plus `always` (e.g. the EOS id): a draft vocabulary for `SelfSpeculative(draft_vocab=)`.
     Ties go to the smaller id; the result is sorted."""
+    if count < 1:  # a slice [:-5] would keep every id but the five rarest
+        raise ValueError(f"frequent_tokens: count must be a positive number of ids, got {count!r}")
     parts = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
     flat = torch.cat([torch.as_tensor(part).flatten() for part in parts]).long()
     order = torch.sort(torch.bincount(flat), descending=True, stable=True).indices[:count]  # ties: smaller id
