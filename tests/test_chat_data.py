@@ -290,3 +290,39 @@ def test_copy_tasks_repeat_their_prompts_text_seeded_with_a_held_out_split(tmp_p
     assert {row["kind"] for row in train} == {"copy passage", "copy shuffled"}
     assert any(row["turns"] == 2 for row in train)
     assert "copy shuffled" in (tmp_path / "a" / "README.md").read_text()
+
+
+def test_pack_refuses_a_folder_holding_another_runs_data(tmp_path):
+    """`--pack` into a folder packed from another run would replace its splits and its raw/ resume point (and leave
+    that run's magpie.jsonl.gz beside this run's files where this run has none); into other data, its splits and
+    card. Both are refused before anything is written; the same run packs again over its own pack."""
+
+    def a_run(name: str, seed: int, magpie: bool) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        settings = {"count": 10, "seed": seed, "max_new_tokens": 40, "max_prompt_tokens": 100, "prose_wheel": None}
+        (out / "settings.json").write_text(json.dumps({"target": "t", **settings}) + "\n")
+        messages = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": f"w{seed}"}]
+        rows = [{"index": i, "kind": "qa", "sampled": False, "heldout": i == 9, "turns": 1, "prompt_tokens": 3,
+                 "answer_tokens": 2, "truncated": False, "messages": messages} for i in (0, 9)]  # fmt: skip
+        (out / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if magpie:
+            (out / "magpie.jsonl").write_text(json.dumps({"index": 3, "text": None}) + "\n")
+        return out
+
+    first, other, packed = a_run("first", 0, magpie=True), a_run("other", 1, magpie=False), tmp_path / "packed"
+    make_chat_data.main(["--out_dir", str(first), "--pack", str(packed)])
+    before = {path: path.read_bytes() for path in packed.rglob("*") if path.is_file()}
+    with pytest.raises(SystemExit, match=rf"--pack {packed} holds the data of another run \(seed 0 there, 1 here\)"):
+        make_chat_data.main(["--out_dir", str(other), "--pack", str(packed)])
+    assert {path: path.read_bytes() for path in packed.rglob("*") if path.is_file()} == before
+    make_chat_data.main(["--out_dir", str(first), "--pack", str(packed)])  # the same run: packed again
+    assert {path: path.read_bytes() for path in packed.rglob("*") if path.is_file()} == before
+
+    data = tmp_path / "data"  # e.g. make_copy_data's folder: splits and a card, no raw/
+    data.mkdir()
+    (data / "train.jsonl.gz").write_bytes(b"kept")
+    with pytest.raises(SystemExit, match="holds data that no run packed"):
+        make_chat_data.main(["--out_dir", str(first), "--pack", str(data)])
+    assert sorted(path.name for path in data.iterdir()) == ["train.jsonl.gz"]
+    make_chat_data.main(["--out_dir", str(first), "--pack", str(tmp_path / "empty")])  # a new folder: packed

@@ -154,13 +154,35 @@ def write_bytes_gzip(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+PACKED = ("train.jsonl.gz", "heldout.jsonl.gz", "README.md", "lengths.png", "raw")  # what `pack` writes in dest
+
+
+def check_destination(dest: Path, settings: dict) -> None:
+    """Refuse to pack over another run's data: `dest` may be new, hold none of `PACKED`, or hold a pack of a run
+    with these `settings` (the target aside, as a resumed run may name it anew). Its `raw/` is that run's resume
+    point and its splits may be committed data: replacing them would lose them."""
+    packed = dest / "raw" / "settings.json.gz"
+    if packed.exists():
+        before = json.loads(gzip.decompress(packed.read_bytes()))
+        keys = sorted((before.keys() | settings.keys()) - {"target"})
+        differ = [key for key in keys if before.get(key) != settings.get(key)]
+        if differ:
+            found = ", ".join(f"{key} {before.get(key)!r} there, {settings.get(key)!r} here" for key in differ)
+            raise SystemExit(f"--pack {dest} holds the data of another run ({found}); pack into a new folder")
+    elif any((dest / name).exists() for name in PACKED):
+        raise SystemExit(
+            f"--pack {dest} holds data that no run packed (no raw/settings.json.gz); pack into a new folder"
+        )
+
+
 def pack(out_dir: Path, dest: Path) -> None:
     """Compressed splits, histogram and card for the rows generated so far in `out_dir`, and the run's own files
-    (`save_raw`) to continue it from."""
+    (`save_raw`) to continue it from; into a new folder or one that holds an earlier pack of the same run."""
     rows, counts = read_rows(out_dir)
     if not rows:
         raise SystemExit(f"{out_dir}/rows.jsonl holds no answered instruction yet")
     settings = json.loads((out_dir / "settings.json").read_text())
+    check_destination(dest, settings)
     dest.mkdir(parents=True, exist_ok=True)
     save_raw(out_dir, dest)
     train, heldout = [r for r in rows if not r["heldout"]], [r for r in rows if r["heldout"]]
