@@ -326,3 +326,16 @@ def test_pack_refuses_a_folder_holding_another_runs_data(tmp_path):
         make_chat_data.main(["--out_dir", str(first), "--pack", str(data)])
     assert sorted(path.name for path in data.iterdir()) == ["train.jsonl.gz"]
     make_chat_data.main(["--out_dir", str(first), "--pack", str(tmp_path / "empty")])  # a new folder: packed
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--window", "0"), ("--batch_size", "-4"), ("--token_budget", "0"), ("--max_new_tokens", "0"),
+     ("--max_prompt_tokens", "0"), ("--num_threads", "0"), ("--count", "-1")],
+)  # fmt: skip
+def test_counts_below_one_are_refused_before_the_target_loads(option, value, capsys):
+    """--window 0 stopped in range() after the target had loaded; batch sizes below 1 became 1, --max_new_tokens 0
+    wrote empty answers as data and --max_prompt_tokens 0 skipped every prompt: now argparse names the option."""
+    with pytest.raises(SystemExit) as stopped:
+        make_chat_data.parse_args(["--out_dir", "unused", option, value])
+    assert stopped.value.code == 2 and f"argument {option}: must be 1 or more, got {value}" in capsys.readouterr().err

