@@ -101,6 +101,8 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
         (["--workload", "repeated", "--no_transformers"], "--no_transformers is an option of the Spec-Bench runs"),
         (["--workload", "repeated", "--limit_per_category", "2"], "--limit_per_category is an option of the Spec-"),
         (["--workload", "repeated", "--compile"], "--compile is an option of the Spec-Bench runs"),
+        (["--warmup", "2"], "--warmup sets the untimed calls of --workload repeated"),
+        (["--warmup", "0", "--batch_sizes", "1"], "--warmup sets the untimed calls of --workload repeated"),
     ]:
         with pytest.raises(SystemExit, match=problem):
             main(["bench", *extra])

@@ -37,7 +37,7 @@ from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, check_plotting, check_prompt_lengths, encode, load_target, output_folder
-from .parsers import BENCH_TEMPERATURE
+from .parsers import BENCH_TEMPERATURE, BENCH_WARMUP
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -47,6 +47,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     if args.suffix_memory_tokens is not None and not args.suffix_memory:
         raise SystemExit("--suffix_memory_tokens limits --suffix_memory: pass the chat data set too")
+    if args.warmup is not None and args.workload != "repeated":
+        raise SystemExit("--warmup sets the untimed calls of --workload repeated: pass that too, or leave it out")
+    args.warmup = BENCH_WARMUP if args.warmup is None else args.warmup
     if args.suffix_memory and args.batch_sizes:
         raise SystemExit("--suffix_memory adds contenders to the Spec-Bench or repeated runs, not to --batch_sizes")
     # the runs other than the Spec-Bench prompts' (None: those)

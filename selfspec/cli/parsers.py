@@ -95,6 +95,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # every other target runs in float32 unless --dtype says otherwise (the toy target's checks are token for token)
 HALF_PRECISION_TARGETS = {DEMO_TARGET}
 BENCH_TEMPERATURE = 0.8  # selfspec bench's sampling contenders, when --temperature is not given
+BENCH_WARMUP = 3  # selfspec bench --workload repeated: untimed calls per task, when --warmup is not given
 
 TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
 
@@ -253,7 +254,11 @@ def add_bench_parser(commands) -> None:
         "over many standard-library functions and two-turn revisions, after --warmup untimed calls per task "
         "(selfspec.workload; needs a chat model), greedy",
     )
-    bench.add_argument("--warmup", type=non_negative, default=3, help="--workload repeated: untimed functions per task")
+    bench.add_argument(
+        "--warmup",
+        type=non_negative,
+        help=f"--workload repeated: untimed functions per task (default {BENCH_WARMUP})",
+    )
     bench.add_argument(
         "--batch_sizes",
         type=positive_list,
