@@ -108,6 +108,17 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
             main(["bench", *extra])
 
 
+def test_profile_refuses_a_project_without_wandb_before_loading(monkeypatch, tmp_path):
+    from selfspec.cli import main as cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the bad input was refused")
+
+    monkeypatch.setattr(cli, "load_cli_model", refuse)
+    with pytest.raises(SystemExit, match="--project names the W&B project of --report_to wandb"):
+        main(["profile", "--project", "mine", "--output", str(tmp_path)])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU takes --device cuda")
 def test_a_device_this_torch_cannot_use_is_named():
     with pytest.raises(SystemExit, match="--device cuda: this torch .* sees no CUDA GPU"):

@@ -13,6 +13,7 @@ from ..families import REFUSED_ARCHITECTURES, SUPPORT_RULE, SUPPORTED_ARCHITECTU
 from .parsers import (
     BUNDLED,
     BUNDLED_CONFIG,
+    PROFILE_PROJECT,
     add_bench_parser,
     add_command,
     add_demo_parser,
@@ -57,6 +58,10 @@ def run_profile(args: argparse.Namespace) -> int:
     from ..training.data import load_rows, row_tensors
     from .options import check_plotting, output_folder, set_threads, target_path
 
+    if args.project is not None and args.report_to != "wandb":
+        raise SystemExit("selfspec profile: --project names the W&B project of --report_to wandb: pass that too, or "
+                         "leave it out")  # fmt: skip
+    args.project = PROFILE_PROJECT if args.project is None else args.project
     check_plotting()
     if args.report_to == "wandb":
         import wandb  # now: a missing [train] extra stops the command before its run, not after it

@@ -96,6 +96,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 HALF_PRECISION_TARGETS = {DEMO_TARGET}
 BENCH_TEMPERATURE = 0.8  # selfspec bench's sampling contenders, when --temperature is not given
 BENCH_WARMUP = 3  # selfspec bench --workload repeated: untimed calls per task, when --warmup is not given
+PROFILE_PROJECT = "selfspec-profile"  # selfspec profile --report_to wandb: the W&B project, when --project is not given
 
 TARGET_CHOICES = f"a known target ({', '.join(KNOWN_TARGETS)}), a model folder or a hub name"
 
@@ -337,7 +338,7 @@ def add_profile_parser(commands) -> None:
     profile.add_argument("--draft_vocab", help="a JSON file of token ids: also profile drafts from these rows only")
     profile.add_argument("--draft_quant", choices=["int8"], help="also profile drafts through an int8 LM head")
     profile.add_argument("--report_to", default="none", choices=["none", "wandb"], help="also log a W&B run")
-    profile.add_argument("--project", default="selfspec-profile", help="W&B project")
+    profile.add_argument("--project", help=f"--report_to wandb: the W&B project (default {PROFILE_PROJECT})")
 
 
 def add_export_parser(commands) -> None:
