@@ -102,6 +102,9 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
         (["--workload", "repeated", "--limit_per_category", "2"], "--limit_per_category is an option of the Spec-"),
         (["--workload", "repeated", "--compile"], "--compile is an option of the Spec-Bench runs"),
         (["--warmup", "2"], "--warmup sets the untimed calls of --workload repeated"),
+        (["--no_sampling", "--seed", "0"], "--seed seeds the sampled contenders, which --no_sampling leaves out"),
+        (["--batch_sizes", "1", "--seed", "1"], "--seed seeds .* --batch_sizes measures greedy decoding"),
+        (["--workload", "repeated", "--seed", "1"], "--seed seeds .* --workload repeated measures greedy decoding"),
         (["--warmup", "0", "--batch_sizes", "1"], "--warmup sets the untimed calls of --workload repeated"),
     ]:
         with pytest.raises(SystemExit, match=problem):

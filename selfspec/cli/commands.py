@@ -37,7 +37,7 @@ from ..measure.prompts import ChatPrompt, categories_of, first_per_category
 from ..speculative import SelfSpeculative
 from ..targets import DEFAULT_TARGET, default_heads
 from .options import BUNDLED, check_plotting, check_prompt_lengths, encode, load_target, output_folder
-from .parsers import BENCH_TEMPERATURE, BENCH_WARMUP
+from .parsers import BENCH_SEED, BENCH_TEMPERATURE, BENCH_WARMUP
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -62,7 +62,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
                          "greedy decoding")  # fmt: skip
     if args.temperature is not None and args.no_sampling:
         raise SystemExit("--temperature sets the sampling contenders, which --no_sampling leaves out")
+    if args.seed is not None and other_run:
+        raise SystemExit(f"--seed seeds the sampled contenders of the Spec-Bench runs; {other_run} measures greedy "
+                         "decoding")  # fmt: skip
+    if args.seed is not None and args.no_sampling:
+        raise SystemExit("--seed seeds the sampled contenders, which --no_sampling leaves out")
     args.temperature = BENCH_TEMPERATURE if args.temperature is None else args.temperature
+    args.seed = BENCH_SEED if args.seed is None else args.seed
     if other_run:
         check_other_run(args, other_run)
     if not args.batch_sizes:

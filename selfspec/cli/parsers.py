@@ -95,6 +95,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # every other target runs in float32 unless --dtype says otherwise (the toy target's checks are token for token)
 HALF_PRECISION_TARGETS = {DEMO_TARGET}
 BENCH_TEMPERATURE = 0.8  # selfspec bench's sampling contenders, when --temperature is not given
+BENCH_SEED = 0  # selfspec bench's sampled runs, when --seed is not given
 BENCH_WARMUP = 3  # selfspec bench --workload repeated: untimed calls per task, when --warmup is not given
 PROFILE_PROJECT = "selfspec-profile"  # selfspec profile --report_to wandb: the W&B project, when --project is not given
 
@@ -192,7 +193,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument(
         "--assistant_exit_layers", type=positive_list, help="transformers early-exit layers to try, e.g. 3,6"
     )
-    bench.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    bench.add_argument("--seed", type=int, help=f"seed of the sampled runs (default {BENCH_SEED})")
     bench.add_argument("--untrained_exit_layer", type=positive, help="depth of the untrained-exit contender")
     bench.add_argument(
         "--compile",
