@@ -77,6 +77,29 @@ def test_profile_refuses_rows_longer_than_the_model_before_its_run(monkeypatch, 
         main(["profile", "--seq_len", "1025", "--max_rows", "1", "--output", str(tmp_path)])
 
 
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--timing_context", "1024"], "--timing_context 1024 does not fit the model's 1024 positions: .* then one new "
+         "token: 1025 positions; lower it to 1023 or less"),
+        (["--timing_context", "1020", "--measure_v", "--max_gamma", "4"], "--timing_context 1020 does not fit the "
+         r"model's 1024 positions: .* then --max_gamma 4 \+ 1 new positions \(--measure_v\): 1025 positions; "
+         "lower it to 1019 or less"),
+    ],
+)  # fmt: skip
+def test_profile_refuses_a_timing_context_beyond_the_model_before_its_run(extra, problem, monkeypatch, tmp_path):
+    import selfspec.measure.profile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the profile ran with timed passes beyond the model's positions")
+
+    monkeypatch.setattr(cli, "bundled_heldout", lambda: bundled_heldout().split(",")[0])
+    monkeypatch.setattr(selfspec.measure.profile, "profile_heads", refuse)
+    with pytest.raises(SystemExit, match=problem):  # the demo target has 1024
+        main(["profile", *extra, "--max_rows", "1", "--output", str(tmp_path)])
+    cli.check_timing_positions(build_parser().parse_args(["profile", "--timing_context", "1023"]), 1024)  # fits
+
+
 def test_profile_with_model_needs_data():
     with pytest.raises(SystemExit, match="--model needs --data"):
         main(["profile", "--model", str(BUNDLED)])

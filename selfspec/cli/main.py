@@ -82,6 +82,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if adapter.max_positions is not None and args.seq_len > adapter.max_positions:
         raise SystemExit(f"selfspec profile: --seq_len {args.seq_len} exceeds the model's {adapter.max_positions} "
                          "positions: lower it")  # fmt: skip
+    check_timing_positions(args, adapter.max_positions)
     if heads_path:
         heads, trained = load_heads(heads_path, adapter), True
     else:
@@ -120,6 +121,19 @@ def run_profile(args: argparse.Namespace) -> int:
         run.summary.update({f"alpha/{row['draft']}": row.get("alpha", row["untrained_alpha"]) for row in rows})
         run.finish()
     return 0
+
+
+def check_timing_positions(args: argparse.Namespace, limit: int | None) -> None:
+    """The timed passes of `selfspec profile` fit the model's `limit` positions (None: no limit): one-token steps
+    after --timing_context cached tokens, and with --measure_v a pass over --max_gamma + 1 new positions
+    (`selfspec.measure.costs.measure_costs`)."""
+    new = args.max_gamma + 1 if args.measure_v else 1
+    if limit is not None and args.timing_context + new > limit:
+        after = f"--max_gamma {args.max_gamma} + 1 new positions (--measure_v)" if args.measure_v else "one new token"
+        fix = f"lower it to {limit - new} or less" if limit > new else "lower --max_gamma"
+        raise SystemExit(f"selfspec profile: --timing_context {args.timing_context} does not fit the model's {limit} "
+                         f"positions: the timed passes run on the cached context, then {after}: "
+                         f"{args.timing_context + new} positions; {fix}")  # fmt: skip
 
 
 # `selfspec export`: the options each --format takes, and those it needs
