@@ -221,6 +221,22 @@ def test_loop_profile_times_the_eagle_tree_and_the_merged_tree_section_by_sectio
     assert stopped.value.code == 2 and "--merged_tree: expected NODES-TOP_K-DEPTH" in capsys.readouterr().err
 
 
+def test_loop_profile_takes_one_merged_tree(monkeypatch, capsys):
+    """--merged_tree is the one tree of eagle_tree and merged: several shapes (bench's --merged_trees takes those)
+    are refused by the parser, not cut to the first."""
+    from selfspec.cli import loop_profile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the bad input was refused")
+
+    monkeypatch.setattr(loop_profile, "load_target", refuse)
+    with pytest.raises(SystemExit) as stopped:
+        loop_profile.main(["--modes", "eagle_tree", "--merged_tree", "2-2-1/3,3-1-3/2"])
+    message = "--merged_tree: takes one shape, got 2 in '2-2-1/3,3-1-3/2': profile each in its own run"
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert loop_profile.one_merged_tree(" 2-2-1/3 ") == ({"nodes": 2, "top_k": 2, "depth": 1}, 3)
+
+
 def test_loop_profile_runs_a_committed_version_beside_the_working_tree_on_prompts_per_category(tmp_path, capsys):
     """--before REF imports the package as committed at REF (its submodules too, which its lazy exports do not
     load) and times it interleaved; --limit_per_category picks the first prompts of each Spec-Bench category."""

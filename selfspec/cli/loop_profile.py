@@ -303,6 +303,14 @@ def speed(model, runs, prompts, args) -> None:
         print("| " + " | ".join(str(cell) for cell in cells) + " |")
 
 
+def one_merged_tree(text: str) -> tuple[dict, int]:
+    """An argparse type: one shape of `merged_tree_shapes` (eagle_tree and merged each time one tree per run)."""
+    shapes = merged_tree_shapes(text)
+    if len(shapes) > 1:
+        raise argparse.ArgumentTypeError(f"takes one shape, got {len(shapes)} in {text!r}: profile each in its own run")
+    return shapes[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_model_arguments(parser, bundled=True)
@@ -310,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="plain,medusa,exit,tree,ngram", help=", ".join(MODES))
     parser.add_argument(
         "--merged_tree",
-        type=lambda text: merged_tree_shapes(text)[0],
+        type=one_merged_tree,
         default="6-2-4/10",
         help="NODES-TOP_K-DEPTH/LOOKUP_TOKENS: the EAGLE tree of eagle_tree and merged, and lookup's chain in merged",
     )
