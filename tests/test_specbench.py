@@ -66,7 +66,16 @@ def test_question_files_are_checked(tmp_path):
     bad = [QUESTIONS[0], {"question_id": 9, "category": "qa", "turns": []}]
     with pytest.raises(ValueError, match="row 2 is not a Spec-Bench question"):
         read_prompts(write_questions(tmp_path / "bad.jsonl", bad), tiny_tokenizer())
+    for rows, problem in [
+        ([{"category": "qa", "question": "t5"}], "row 1 is not a Spec-Bench question: it has no `turns` field"),
+        ([QUESTIONS[0], {"turns": ["t5"]}], "row 2 is not a Spec-Bench question: it has no `category`"),
+        ([QUESTIONS[0], {"category": "qa", "turns": "t5"}], "row 2 .* `turns` that are not a non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match=problem):  # not "item 1 has no prompt": the field missing is named
+            read_prompts(write_questions(tmp_path / "bad.jsonl", rows), tiny_tokenizer())
     (tmp_path / "plain.jsonl").write_text('{"prompt": "t5 t6"}\n')  # not Spec-Bench: plain prompts, as before
+    assert read_prompts(tmp_path / "plain.jsonl", tiny_tokenizer()) == ["t5 t6"]
+    (tmp_path / "plain.jsonl").write_text('{"prompt": "t5 t6", "category": "mine"}\n')  # a prompt with a label
     assert read_prompts(tmp_path / "plain.jsonl", tiny_tokenizer()) == ["t5 t6"]
 
 

@@ -37,7 +37,8 @@ def report_category(category: str) -> str:
 
 
 def read_questions(path: str | Path) -> list[dict] | None:
-    """The rows of a Spec-Bench file (a .jsonl whose rows have `turns`), or None for another prompts file."""
+    """The rows of a Spec-Bench file (a .jsonl whose rows have `turns`, or a `category` and no `prompt` or `text`),
+    or None for another prompts file."""
     path = Path(path)
     if path.suffix != ".jsonl":
         return None
@@ -47,12 +48,21 @@ def read_questions(path: str | Path) -> list[dict] | None:
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON lines: {error}") from None
-    if not rows or not isinstance(rows[0], dict) or "turns" not in rows[0]:
+    first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    if "turns" not in first and ("category" not in first or "prompt" in first or "text" in first):
         return None
     for number, row in enumerate(rows, 1):
-        turns = row.get("turns")
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not row.get("category"):
-            raise ValueError(f"{path}: row {number} is not a Spec-Bench question (a `category` and a list of `turns`)")
+        turns = row.get("turns") if isinstance(row, dict) else None
+        problem = (
+            "is not a JSON object" if not isinstance(row, dict)
+            else "has no `turns` field" if turns is None
+            else "has no `category`" if not row.get("category")
+            else None if isinstance(turns, list) and turns and isinstance(turns[0], str)
+            else "has `turns` that are not a non-empty list of strings"
+        )  # fmt: skip
+        if problem:
+            raise ValueError(f"{path}: row {number} is not a Spec-Bench question: it {problem} (a `category` and a "
+                             "list of `turns`)")  # fmt: skip
     return rows
 
 
