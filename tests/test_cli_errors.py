@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["tune", "--batch_sizes", "0"], "--batch_sizes: must be 1 or more"),
         (["profile", "--exit_layers", "a"], "--exit_layers: expected a whole number"),
         (["profile", "--max_rows", "0"], "--max_rows: must be 1 or more"),
+        (["profile", "--timing_context", "0"], "--timing_context: must be 1 or more"),  # no context to time after
     ],
 )
 def test_numbers_out_of_range_are_refused_by_the_parser(argv, problem, capsys):

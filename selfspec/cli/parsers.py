@@ -323,7 +323,7 @@ def add_profile_parser(commands) -> None:
     profile.add_argument("--max_rows", type=positive, default=64, help="rows evaluated")
     profile.add_argument("--batch_size", type=positive, default=8, help="rows per forward")
     profile.add_argument(
-        "--timing_context", type=non_negative, default=64, help="cached tokens while timing one-token steps"
+        "--timing_context", type=positive, default=64, help="cached tokens while timing one-token steps"
     )
     profile.add_argument("--timing_repeats", type=positive, default=20, help="timed repetitions (median)")
     profile.add_argument("--max_gamma", type=positive, default=8, help="largest gamma for the predicted speedup")
