@@ -58,6 +58,7 @@ def test_profile_without_model_runs_on_the_bundled_target_and_its_heldout_files(
     monkeypatch.setattr(cli, "bundled_heldout", lambda: files[0])  # one file keeps the test fast
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     arguments = ["--max_rows", "2", "--seq_len", "32", "--timing_repeats", "2", "--max_gamma", "2"]
+    arguments += ["--timing_context", "16"]  # 2 rows of 32 hold 64 tokens: the default 64 and its step do not fit
     assert main(["profile", *arguments, "--output", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert f"{BUNDLED}: 2 rows of 32 tokens from the demo target's held-out files" in printed
@@ -98,6 +99,20 @@ def test_profile_refuses_a_timing_context_beyond_the_model_before_its_run(extra,
     with pytest.raises(SystemExit, match=problem):  # the demo target has 1024
         main(["profile", *extra, "--max_rows", "1", "--output", str(tmp_path)])
     cli.check_timing_positions(build_parser().parse_args(["profile", "--timing_context", "1023"]), 1024)  # fits
+
+
+def test_profile_refuses_a_timing_context_its_rows_cannot_fill(monkeypatch, tmp_path):
+    """c is timed after --timing_context tokens of the rows laid end to end: fewer would time a shorter context."""
+    import selfspec.measure.profile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the profile ran with a shorter timing context than asked")
+
+    monkeypatch.setattr(cli, "bundled_heldout", lambda: bundled_heldout().split(",")[0])
+    monkeypatch.setattr(selfspec.measure.profile, "profile_heads", refuse)
+    problem = "--timing_context 100 needs 102 held-out tokens to time on; 2 row\\(s\\) of 32 hold 64: raise --max_rows"
+    with pytest.raises(SystemExit, match=problem):
+        main(["profile", "--timing_context", "100", "--max_rows", "2", "--seq_len", "32", "--output", str(tmp_path)])
 
 
 def test_profile_with_model_needs_data():

@@ -96,6 +96,11 @@ def run_profile(args: argparse.Namespace) -> int:
         message = str(error).replace("set data.bad_rows: skip", "pass --bad_rows skip")
         raise SystemExit(f"selfspec profile: {message}") from error
     rows_tensor, masks = row_tensors(heldout, range(min(args.max_rows, len(heldout))))  # masks: a chat's answers
+    timed = args.timing_context + (args.max_gamma if args.measure_v else 1) + 1  # the tokens `measure` times on
+    if rows_tensor.numel() < timed:  # else the context would shrink to what the rows hold, without a word
+        raise SystemExit(f"selfspec profile: --timing_context {args.timing_context} needs {timed} held-out tokens to "
+                         f"time on; {rows_tensor.shape[0]} row(s) of {args.seq_len} hold {rows_tensor.numel()}: raise "
+                         "--max_rows or --seq_len, or lower --timing_context")  # fmt: skip
     config = EvalConfig(
         max_rows=args.max_rows,
         batch_size=args.batch_size,
