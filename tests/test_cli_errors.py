@@ -100,6 +100,7 @@ def test_bench_refuses_options_its_runs_would_ignore(no_loading):
         (["--workload", "repeated", "--chains", "1,2"], "--chains is an option of the Spec-Bench runs; --workload rep"),
         (["--workload", "repeated", "--prompts", "p.json"], "--prompts is an option of the Spec-Bench runs"),
         (["--workload", "repeated", "--no_transformers"], "--no_transformers is an option of the Spec-Bench runs"),
+        (["--batch_sizes", "1", "--no_transformers"], "--no_transformers is an option of the Spec-Bench runs"),
         (["--workload", "repeated", "--limit_per_category", "2"], "--limit_per_category is an option of the Spec-"),
         (["--workload", "repeated", "--compile"], "--compile is an option of the Spec-Bench runs"),
         (["--warmup", "2"], "--warmup sets the untimed calls of --workload repeated"),

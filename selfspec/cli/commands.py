@@ -169,7 +169,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 # contenders to choose, nor categories); --workload repeated asks its own prompts of its own field, greedy
 SPEC_BENCH_OPTIONS = {
     "--batch_sizes": ("only", "chains", "merged_trees", "compile", "assistant_exit_layers", "untrained_exit_layer",
-                      "limit_per_category"),
+                      "limit_per_category", "no_transformers"),
     "--workload repeated": ("chains", "compile", "assistant_exit_layers", "untrained_exit_layer", "limit_per_category",
                             "prompts", "no_transformers"),
 }  # fmt: skip
