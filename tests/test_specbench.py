@@ -244,6 +244,10 @@ def test_loop_profile_takes_one_merged_tree(monkeypatch, capsys):
     message = "--merged_tree: takes one shape, got 2 in '2-2-1/3,3-1-3/2': profile each in its own run"
     assert stopped.value.code == 2 and message in capsys.readouterr().err
     assert loop_profile.one_merged_tree(" 2-2-1/3 ") == ({"nodes": 2, "top_k": 2, "depth": 1}, 3)
+    with pytest.raises(SystemExit) as stopped:  # the modes that read no tree
+        loop_profile.main(["--modes", "plain,eagle", "--merged_tree", "2-2-1/3"])
+    message = "--merged_tree shapes the modes eagle_tree and merged; --modes plain,eagle has neither"
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_loop_profile_runs_a_committed_version_beside_the_working_tree_on_prompts_per_category(tmp_path, capsys):

@@ -303,6 +303,9 @@ def speed(model, runs, prompts, args) -> None:
         print("| " + " | ".join(str(cell) for cell in cells) + " |")
 
 
+MERGED_TREE = "6-2-4/10"  # --merged_tree when not given
+
+
 def one_merged_tree(text: str) -> tuple[dict, int]:
     """An argparse type: one shape of `merged_tree_shapes` (eagle_tree and merged each time one tree per run)."""
     shapes = merged_tree_shapes(text)
@@ -319,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merged_tree",
         type=one_merged_tree,
-        default="6-2-4/10",
-        help="NODES-TOP_K-DEPTH/LOOKUP_TOKENS: the EAGLE tree of eagle_tree and merged, and lookup's chain in merged",
+        help="NODES-TOP_K-DEPTH/LOOKUP_TOKENS: the EAGLE tree of eagle_tree and merged, and lookup's chain in merged "
+        f"(default {MERGED_TREE})",
     )
     parser.add_argument("--gamma", type=int, default=3, help="drafts per iteration of the chain modes")
     parser.add_argument("--num_prompts", type=int, default=4, help="prompts used (the first N)")
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's N busiest ops per mode")
     parser.add_argument("--speed_repeats", type=int, default=0, help="also time every run end to end, N repeats")
     args = parser.parse_args(argv)
+    if args.merged_tree is not None and not {"eagle_tree", "merged"} & set(args.modes.split(",")):
+        parser.error(f"--merged_tree shapes the modes eagle_tree and merged; --modes {args.modes} has neither")
+    args.merged_tree = one_merged_tree(MERGED_TREE) if args.merged_tree is None else args.merged_tree
     model, tokenizer, heads, prompt_texts, vocab = load_target(args)
     from ..heads import EagleHeads, ExitHeads, MedusaHeads
     from ..targets import default_heads
