@@ -971,6 +971,34 @@ def test_resuming_a_finished_run_leaves_its_heads_and_metrics_alone(world, monke
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_resume_skips_a_checkpoint_missing_a_file_and_refuses_when_none_is_whole(world, monkeypatch, capsys):
+    """A checkpoint folder that lost a file (deleted, copied in part) ended --resume in a traceback from
+    `load_state` after the target had loaded; the run now resumes from the checkpoint before it and says so, and
+    one with no whole checkpoint is refused, naming the missing files, before the target loads."""
+    sys.path.insert(0, str(ROOT / "training"))
+    import train_heads
+
+    sys.path.remove(str(ROOT / "training"))
+    config = interrupted(world, monkeypatch, "lost_file", **{"train.checkpoint_every": 2})
+    checkpoints = world["root"] / "lost_file" / "run" / "checkpoints"
+    (checkpoints / "step_000004" / "optimizer.bin").unlink()
+    capsys.readouterr()
+    undo = end_session_after_checkpoint(monkeypatch, 4)
+    with pytest.raises(SessionEnded):
+        train_in_process(config, "--resume")
+    undo()
+    out = capsys.readouterr().out
+    assert f"{checkpoints / 'step_000004'} lacks optimizer.bin: resuming from {checkpoints / 'step_000002'}" in out
+    assert f"resumed from {checkpoints / 'step_000002'} at step 2" in out
+    assert (checkpoints / "step_000004" / "optimizer.bin").exists()  # written again, whole
+    for checkpoint in checkpoints.iterdir():
+        (checkpoint / "custom_checkpoint_0.pkl").unlink()
+    monkeypatch.setattr(train_heads, "load_target", lambda *args: pytest.fail("the target loaded"))
+    with pytest.raises(SystemExit, match=r"no checkpoint in .* has every part \(.*step_000004 lacks custom_checkpoint"):
+        train_in_process(config, "--resume")
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step_000002", "step_000004"]  # nothing removed
+
+
 def test_resuming_with_other_heads_names_the_changed_keys(world, monkeypatch):
     config = interrupted(world, monkeypatch, "reshaped")
     with pytest.raises(ValueError, match=r"config changed since: heads\.exit_layers"):

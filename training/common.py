@@ -17,6 +17,7 @@ import difflib
 import json
 import math
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from selfspec.hardware import native_bf16
 from selfspec.training.config import config_differences, load_config, save_config
@@ -207,13 +209,49 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
 
 
-def checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
-    """The last complete checkpoint in `run_dir` when `resume`; a run folder that has checkpoints is refused
-    without --resume (a new run would mix with the old one)."""
+# what `save_checkpoint` writes: accelerate's `save_state` (one model, optimizer and scheduler, the registered
+# `Progress`) and the config; the random states are left out, as `load_state` goes on without them
+CHECKPOINT_PARTS = {
+    "config.yaml": ("config.yaml",),
+    "model.safetensors": ("model*.safetensors", "pytorch_model*.bin"),
+    "optimizer.bin": ("optimizer*.bin",),
+    "scheduler.bin": ("scheduler*.bin",),
+    "custom_checkpoint_0.pkl": ("custom_checkpoint_*.pkl",),
+}
+
+
+def missing_parts(checkpoint: Path) -> list[str]:
+    """The parts of a checkpoint (`CHECKPOINT_PARTS`) that `checkpoint` lacks: deleted, or copied in part."""
+    return [
+        part
+        for part, patterns in CHECKPOINT_PARTS.items()
+        if not any(any(checkpoint.glob(pattern)) for pattern in patterns)
+    ]
+
+
+def checkpoint_to_resume(run_dir: Path, resume: bool, say=None) -> Path | None:
+    """The last checkpoint in `run_dir` that has every part, when `resume`; `say` (a print) tells of each later one
+    skipped for a missing part, which stays on disk until the run writes that step again. A run folder that has
+    checkpoints is refused without --resume (a new run would mix with the old one), and one whose checkpoints all
+    lack a part with --resume (starting over would drop the run's progress)."""
     checkpoints = complete_checkpoints(run_dir / "checkpoints")
     if checkpoints and not resume:
         raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume or choose another output_dir")
-    return checkpoints[-1] if checkpoints else None
+    skipped = []
+    for checkpoint in reversed(checkpoints):
+        missing = missing_parts(checkpoint)
+        if not missing:
+            if skipped and say is not None:
+                say(f"--resume: {'; '.join(skipped)}: resuming from {checkpoint}, the last checkpoint that has "
+                    "every part")  # fmt: skip
+            return checkpoint
+        skipped.append(f"{checkpoint} lacks {', '.join(missing)}")
+    if skipped:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {run_dir / 'checkpoints'} has every part ({'; '.join(skipped)}): put the "
+            "missing files back, or start a new run in another output_dir"
+        )
+    return None
 
 
 def save_checkpoint(accelerator: Accelerator, config, step: int) -> Path:
@@ -244,10 +282,16 @@ def restore_checkpoint(accelerator: Accelerator, config, checkpoint: Path, progr
     changed = config_differences(load_config(type(config), checkpoint / "config.yaml"), config)
     try:
         accelerator.load_state(str(checkpoint))
-    except (RuntimeError, ValueError, KeyError) as error:  # torch's "Error(s) in loading state_dict ...", param groups
+    except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # a file cut short or changed since save_checkpoint wrote it whole (torch's zip reader, pickle, safetensors)
+        if not isinstance(error, (RuntimeError, ValueError, KeyError)) or "PytorchStreamReader" in str(error):
+            raise ValueError(
+                f"--resume: a file in {checkpoint} cannot be read, damaged since it was written ({first}): put "
+                "back a whole copy, or move that folder out of checkpoints/ to resume from the one before"
+            ) from error
         if isinstance(error, RuntimeError) and "state_dict" not in str(error):
             raise  # out of memory and the like: not a config that changed
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(
             f"--resume: {checkpoint} does not fit what this config builds (config changed since: "
             f"{', '.join(changed) or 'nothing'}); a resumed run keeps the model, heads and LoRA it started with: "

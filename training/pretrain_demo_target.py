@@ -37,7 +37,6 @@ from common import (
     apply_optimizer_config,
     argument_parser,
     checkpoint_to_resume,
-    complete_checkpoints,
     launch_command,
     make_optimizer,
     make_schedule,
@@ -346,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.register_for_checkpointing(progress)
 
     if args.export_only:
-        checkpoints = complete_checkpoints(run_dir / "checkpoints")
-        if not checkpoints:
+        checkpoint = checkpoint_to_resume(run_dir, resume=True, say=accelerator.print)
+        if checkpoint is None:
             raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to export")
-        restore_checkpoint(accelerator, config, checkpoints[-1], progress)
+        restore_checkpoint(accelerator, config, checkpoint, progress)
         export(accelerator, model, corpus.tokenizer, config, progress, corpus)
         return
-    checkpoint = checkpoint_to_resume(run_dir, args.resume)
+    checkpoint = checkpoint_to_resume(run_dir, args.resume, say=accelerator.print)
     if checkpoint is not None:
         restore_checkpoint(accelerator, config, checkpoint, progress)
         apply_optimizer_config(optimizer, scheduler, tc)

@@ -61,7 +61,6 @@ from common import (
     check_process_count,
     check_same_rows,
     checkpoint_to_resume,
-    complete_checkpoints,
     launch_command,
     make_optimizer,
     make_schedule,
@@ -177,6 +176,7 @@ class Run:
             cpu=not torch.accelerator.is_available(),
         )
         check_process_count(accelerator)
+        checkpoint = checkpoint_to_resume(self.out, resume, say=accelerator.print)  # before the target loads
         if tc.batch_size % accelerator.num_processes:
             raise ValueError(
                 f"train.batch_size={tc.batch_size} must be divisible by {accelerator.num_processes} processes"
@@ -214,7 +214,6 @@ class Run:
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(objective, optimizer, scheduler)
         self.progress = Progress()
         accelerator.register_for_checkpointing(self.progress)
-        checkpoint = checkpoint_to_resume(self.out, resume)
         changed = []
         if checkpoint is not None:
             changed = restore_checkpoint(accelerator, config, checkpoint, self.progress)
@@ -514,9 +513,9 @@ def check_heads_dir(config: TrainHeadsConfig, resume: bool, overwrite: bool) -> 
         check_not_a_model(heads_dir)  # save_pretrained refuses it: say so now, not after training (--overwrite too)
     if overwrite or not heads_dir.exists() or (heads_dir.is_dir() and not any(heads_dir.iterdir())):
         return
-    checkpoints = complete_checkpoints(output_dir / "checkpoints") if resume else []
-    if checkpoints:  # the run being resumed may replace the folder it writes, not one named anew
-        started = load_config(TrainHeadsConfig, checkpoints[-1] / "config.yaml").heads_dir
+    checkpoint = checkpoint_to_resume(output_dir, resume) if resume else None
+    if checkpoint is not None:  # the run being resumed may replace the folder it writes, not one named anew
+        started = load_config(TrainHeadsConfig, checkpoint / "config.yaml").heads_dir
         if Path(started).resolve() == heads_dir.resolve():
             return
         raise FileExistsError(
@@ -533,6 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # a config file, key or value, or a folder that cannot be used: the message names it, before any work
         args, config = parse_args(argv)
         check_heads_dir(config, args.resume, args.overwrite)
+        checkpoint_to_resume(Path(config.output_dir), args.resume)  # checkpoints without --resume, or none whole
     except (OSError, ValueError) as error:
         raise SystemExit(f"train_heads.py: {error}") from error
     Run(config, resume=args.resume).train()
