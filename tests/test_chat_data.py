@@ -248,6 +248,25 @@ def test_chat_rows_teach_the_answers_only_and_plain_text_every_token(tmp_path, m
         load_rows(DataConfig(source=str(tmp_path / "chat.jsonl"), seq_len=4), tokenizer, split=False)
 
 
+def test_chat_rows_without_an_answer_are_refused_when_answers_are_learnt(tmp_path, monkeypatch):
+    """Chat rows without an assistant turn under data.loss_on: answers had no position to learn: every step's loss
+    was 0 and the heads stayed as they started, without a word. Refused when read, naming the source and the
+    setting; with data.loss_on: all every token is learnt."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_target(tmp_path / "t"))
+    source = tmp_path / "asked.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"w{i} w{i + 1} w{i + 2}"}]} for i in range(6)]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = DataConfig(source=str(source), seq_len=4, heldout_fraction=0.5)
+    with pytest.raises(ValueError, match=f"no token of the training rows from '{source}' is one to learn: with "
+                       "data.loss_on: answers"):  # fmt: skip
+        load_rows(config, tokenizer)
+    with pytest.raises(ValueError, match="no token of the held-out rows .* set data.loss_on: all"):
+        load_rows(config, tokenizer, split=False)
+    every = load_rows(DataConfig(source=str(source), seq_len=4, heldout_fraction=0.5, loss_on="all"), tokenizer)
+    assert all(any(mask) for mask in every.train["loss_mask"])
+
+
 def test_a_prose_run_and_a_plain_run_do_not_resume_each_other(tmp_path):
     """The run folder records whether it is a prose run (by the wheel's project and version, the same on every
     platform); resuming it the other way is refused before any work."""

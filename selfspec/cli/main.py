@@ -94,6 +94,7 @@ def run_profile(args: argparse.Namespace) -> int:
         heldout = load_rows(data, tokenizer, split=False).heldout
     except ValueError as error:  # the data's own errors name the config key; here it is an option
         message = str(error).replace("set data.bad_rows: skip", "pass --bad_rows skip")
+        message = message.replace("set data.loss_on: all to learn every token", "give text rows to score every token")
         raise SystemExit(f"selfspec profile: {message}") from error
     rows_tensor, masks = row_tensors(heldout, range(min(args.max_rows, len(heldout))))  # masks: a chat's answers
     timed = args.timing_context + (args.max_gamma if args.measure_v else 1) + 1  # the tokens `measure` times on

@@ -259,6 +259,13 @@ def _token_rows(config: DataConfig, tokenizer, split: bool) -> TokenRows:
     heldout = pack_documents(heldout_docs, tokenizer, config.seq_len)
     if len(heldout) == 0 or (train is not None and len(train) == 0):
         raise ValueError(f"data: too little text for one row of data.seq_len={config.seq_len} tokens in each split")
+    for name, rows in (("training", train), ("held-out", heldout)):
+        if rows is not None and not _anything_to_learn(rows):  # a loss of 0 at every step: nothing would be learnt
+            raise ValueError(
+                f"data: no token of the {name} rows from {source!r} is one to learn: with data.loss_on: answers only "
+                "the assistant turns of chat rows are, and none of these rows has one; add the answers, or set "
+                "data.loss_on: all to learn every token"
+            )
     summary = {
         "source": source,
         "train_documents": len(train_docs) if train_docs is not None else 0,
@@ -269,6 +276,11 @@ def _token_rows(config: DataConfig, tokenizer, split: bool) -> TokenRows:
         "heldout_by": "file" if config.heldout_files else f"fraction {config.heldout_fraction} (seed {config.seed})",
     }
     return TokenRows(train, heldout, summary)
+
+
+def _anything_to_learn(rows: datasets.Dataset) -> bool:
+    """Whether any row's `loss_mask` marks a position, read in slices (the column whole is GBs on a large set)."""
+    return any(any(map(any, batch["loss_mask"])) for batch in rows.select_columns("loss_mask").iter(batch_size=1000))
 
 
 def row_tensor(rows: datasets.Dataset, indices) -> torch.Tensor:
