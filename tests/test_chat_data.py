@@ -311,6 +311,38 @@ def test_copy_tasks_repeat_their_prompts_text_seeded_with_a_held_out_split(tmp_p
     assert "copy shuffled" in (tmp_path / "a" / "README.md").read_text()
 
 
+def test_copy_tasks_refuse_a_folder_holding_other_data_unless_overwrite(tmp_path, capsys):
+    """--out (by default the committed training/data/copy) was replaced whatever it held. A folder with other rows,
+    or other files, is refused naming it; the same command again writes the same rows, saying so; --overwrite
+    replaces the splits and card."""
+    import make_copy_data
+
+    source = tmp_path / "source.jsonl.gz"
+    passage = " ".join(f"p{i}" for i in range(60))
+    with gzip.open(source, "wt") as file:
+        file.write(json.dumps({"messages": [{"role": "user", "content": passage}]}) + "\n")
+    out = tmp_path / "copy"
+
+    def make(*extra):
+        make_copy_data.main(["--out", str(out), "--count", "20", "--sources", str(source), *extra])
+        return {path.name: path.read_bytes() for path in out.iterdir()}
+
+    first = make()
+    assert make() == first and "already holds these rows" in capsys.readouterr().out
+    for other in (["--seed", "1"], ["--count", "30"]):
+        with pytest.raises(SystemExit, match=f"--out {out} is not empty and does not hold this run's rows in "
+                           "train.jsonl.gz, heldout.jsonl.gz .* pass --overwrite"):  # fmt: skip
+            make(*other)
+        assert {path.name: path.read_bytes() for path in out.iterdir()} == first  # nothing written
+    assert make("--seed", "1", "--overwrite") != first
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("kept")
+    with pytest.raises(SystemExit, match=f"--out {notes} is not empty"):
+        make_copy_data.main(["--out", str(notes), "--count", "20", "--sources", str(source)])
+    assert [path.name for path in notes.iterdir()] == ["mine.txt"]
+
+
 def test_pack_refuses_a_folder_holding_another_runs_data(tmp_path):
     """`--pack` into a folder packed from another run would replace its splits and its raw/ resume point (and leave
     that run's magpie.jsonl.gz beside this run's files where this run has none); into other data, its splits and

@@ -14,12 +14,13 @@ copied). The answer is the text itself: training distils the target's distributi
 every answer position, and on this context the target copies, so no generation is needed. Seeded: the same
 command writes the same bytes.
 
-    python training/make_copy_data.py --out training/data/copy
+    python training/make_copy_data.py --out training/data/copy [--overwrite]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import statistics
@@ -107,6 +108,33 @@ def write_card(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
     (out / "README.md").write_text("\n".join(lines))
 
 
+def check_out(out: Path, splits: dict[str, bytes], overwrite: bool) -> None:
+    """Refuse to write into a folder that holds anything but these splits (`splits`: each file's uncompressed
+    content) unless `overwrite`: what it holds would be lost (the default --out is the committed data, made from
+    the sources as they were then). A folder that holds these splits (the same command again) is written again,
+    with a message."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"make_copy_data.py: --out {out} is a file, where the splits go into a folder")
+    if not out.exists() or not any(out.iterdir()) or overwrite:
+        return
+    other = [name for name, rows in splits.items() if not (out / name).is_file() or read_gzip(out / name) != rows]
+    if other:
+        raise SystemExit(
+            f"make_copy_data.py: --out {out} is not empty and does not hold this run's rows in {', '.join(other)} "
+            "(other --count, --seed or --sources, or the sources changed since): pass --overwrite to replace its "
+            f"{', '.join(splits)} and README.md, or name a new folder"
+        )
+    print(f"{out} already holds these rows: writing them and the card again")
+
+
+def read_gzip(path: Path) -> bytes | None:
+    """A gzip file's content; None where it is not one."""
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError):
+        return None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="training/data/copy", help="folder for train/heldout.jsonl.gz and the card")
@@ -114,6 +142,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sources", type=lambda s: s.split(","), default=list(SOURCES),
                         help="comma-separated .jsonl.gz conversation files whose user turns give the text")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the splits and card in --out where it holds other rows")  # fmt: skip
     args = parser.parse_args(argv)
     if args.count < HELD_OUT_EVERY:
         parser.error(f"--count must be at least {HELD_OUT_EVERY} (every {HELD_OUT_EVERY}th row is held out)")
@@ -122,10 +152,14 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
     rows = [conversation(rng, index, texts, words) for index in range(args.count)]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     is_held = [row["index"] % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for row in rows]
     held = [row for row, flag in zip(rows, is_held, strict=True) if flag]
-    card.write_gzip(out / "train.jsonl.gz", [row for row, flag in zip(rows, is_held, strict=True) if not flag])
+    train = [row for row, flag in zip(rows, is_held, strict=True) if not flag]
+    check_out(
+        out, {"train.jsonl.gz": card.jsonl_bytes(train), "heldout.jsonl.gz": card.jsonl_bytes(held)}, args.overwrite
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    card.write_gzip(out / "train.jsonl.gz", train)
     card.write_gzip(out / "heldout.jsonl.gz", held)
     write_card(out, rows, args)
     print(f"{len(rows) - len(held)} training and {len(held)} held-out conversations in {out}")

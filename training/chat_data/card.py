@@ -77,9 +77,15 @@ def read_rows(out_dir: Path) -> tuple[list[dict], dict]:
     return [best[i] for i in sorted(best)], counts
 
 
+def jsonl_bytes(rows: list[dict]) -> bytes:
+    """The rows' `KEEP` fields as JSON lines: what `write_gzip` compresses."""
+    return "".join(
+        json.dumps({k: row[k] for k in KEEP if k in row}, ensure_ascii=False) + "\n" for row in rows
+    ).encode()
+
+
 def write_gzip(path: Path, rows: list[dict]) -> None:
-    data = "".join(json.dumps({k: row[k] for k in KEEP if k in row}, ensure_ascii=False) + "\n" for row in rows)
-    write_bytes_gzip(path, data.encode())
+    write_bytes_gzip(path, jsonl_bytes(rows))
 
 
 def plot_lengths(rows: list[dict], path: Path) -> None:
