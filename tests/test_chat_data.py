@@ -209,7 +209,8 @@ def test_a_run_resumes_stops_at_its_limit_and_packs_what_training_reads(tmp_path
         tmp_path / "run" / "rows.jsonl"
     ).read_bytes()
     run(tmp_path / "elsewhere", target, "--resume_from", str(packed), monkeypatch=monkeypatch)  # a run there: kept
-    assert "continuing" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "continuing the run packed in" not in out and "already holds the run packed in" in out
     # a restore killed before its last file (settings.json) left a torn rows.jsonl: the next one restores again
     (tmp_path / "torn" / "run").mkdir(parents=True)
     (tmp_path / "torn" / "run" / "rows.jsonl").write_bytes((tmp_path / "run" / "rows.jsonl").read_bytes()[:50])
@@ -265,6 +266,28 @@ def test_chat_rows_without_an_answer_are_refused_when_answers_are_learnt(tmp_pat
         load_rows(config, tokenizer, split=False)
     every = load_rows(DataConfig(source=str(source), seq_len=4, heldout_fraction=0.5, loss_on="all"), tokenizer)
     assert all(any(mask) for mask in every.train["loss_mask"])
+
+
+def test_resume_from_into_an_out_dir_holding_a_run_says_what_it_does(tmp_path, monkeypatch, capsys):
+    """--resume_from P with an --out_dir that already held a run was ignored without a word: that run went on, P's
+    rows unused. Another run there is refused, naming the settings that differ; the same run goes on from its own
+    rows, saying so."""
+    monkeypatch.setattr(make_chat_data.kinds, "Material", small_material)
+    settings = {"count": 30, "seed": 0, "max_new_tokens": 40, "max_prompt_tokens": 1664, "prose_wheel": None}
+    packed = tmp_path / "packed"
+    (packed / "raw").mkdir(parents=True)
+    (packed / "raw" / "settings.json.gz").write_bytes(gzip.compress(json.dumps({"target": "t", **settings}).encode()))
+    (tmp_path / "run").mkdir()
+    args = ["--out_dir", str(tmp_path / "run"), "--count", "30", "--max_new_tokens", "40", "--resume_from", str(packed)]
+    args += ["--target", str(tmp_path / "no-model")]
+    (tmp_path / "run" / "settings.json").write_text(json.dumps({"target": "t", **settings, "seed": 1}))
+    with pytest.raises(SystemExit, match=r"--out_dir .*run already holds another run \(seed 0 in the pack, 1 in "
+                       r"--out_dir\), which it would continue instead"):  # fmt: skip
+        make_chat_data.main([*args, "--seed", "1"])
+    (tmp_path / "run" / "settings.json").write_text(json.dumps({"target": "t", **settings}))
+    with pytest.raises(OSError, match="neither a known target"):  # the same run: it goes on, to load the target
+        make_chat_data.main(args)
+    assert f"already holds the run packed in {packed}: continuing from the rows in" in capsys.readouterr().out
 
 
 def test_a_prose_run_and_a_plain_run_do_not_resume_each_other(tmp_path):

@@ -25,7 +25,8 @@ appended to `magpie.jsonl` / `rows.jsonl` as it finishes. A stopped run (Ctrl-C,
 end) continues where it was when the same command runs again. `--pack DIR` writes `train.jsonl.gz`,
 `heldout.jsonl.gz` (chat `messages`, the two-turn version where there is one), a data card, a length
 histogram and the run's own files (`raw/`) to DIR; `--resume_from DIR` continues that run in an empty
-`--out_dir`, on another machine or in another session.
+`--out_dir`, on another machine or in another session (an `--out_dir` that holds that run goes on from its own
+rows, and one that holds another run is refused).
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ def generate(args) -> None:
     out_dir = Path(args.out_dir)
     if args.resume_from and card.restore_raw(Path(args.resume_from), out_dir):
         print(f"continuing the run packed in {args.resume_from}")
+    elif args.resume_from:
+        print(f"{out_dir} already holds the run packed in {args.resume_from}: continuing from the rows in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # what decides the instructions and their answers; the target's form (its name, or a folder for vLLM), the
     # engine and the dtype may change between sessions and machines (each row records its engine and dtype)

@@ -138,12 +138,22 @@ def save_raw(out_dir: Path, dest: Path) -> None:
 
 
 def restore_raw(packed: Path, out_dir: Path) -> bool:
-    """Put a packed run's files back into `out_dir`; False when `out_dir` already holds a run (its settings.json,
-    which a run writes first and a restore last: files a killed restore left without it are restored again)."""
-    if (out_dir / "settings.json").exists():
-        return False
+    """Put a packed run's files back into `out_dir`; False when `out_dir` already holds that run (its settings.json,
+    which a run writes first and a restore last: files a killed restore left without it are restored again), which
+    then goes on from its own files. One that holds another run (other settings, the target aside) is refused:
+    --resume_from would be ignored."""
     if not (packed / "raw" / "settings.json.gz").exists():
         raise SystemExit(f"--resume_from {packed}: no packed run there (raw/settings.json.gz)")
+    if (out_dir / "settings.json").exists():
+        packed_settings = json.loads(gzip.decompress((packed / "raw" / "settings.json.gz").read_bytes()))
+        there = json.loads((out_dir / "settings.json").read_text())
+        differ = settings_differences(packed_settings, there, ("in the pack", "in --out_dir"))
+        if differ:
+            raise SystemExit(
+                f"--resume_from {packed}: --out_dir {out_dir} already holds another run ({differ}), which it would "
+                "continue instead; name an empty --out_dir to start from the pack"
+            )
+        return False
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in RAW:  # settings.json last
         if (packed / "raw" / f"{name}.gz").exists():
@@ -169,16 +179,21 @@ def check_destination(dest: Path, settings: dict) -> None:
     point and its splits may be committed data: replacing them would lose them."""
     packed = dest / "raw" / "settings.json.gz"
     if packed.exists():
-        before = json.loads(gzip.decompress(packed.read_bytes()))
-        keys = sorted((before.keys() | settings.keys()) - {"target"})
-        differ = [key for key in keys if before.get(key) != settings.get(key)]
+        differ = settings_differences(json.loads(gzip.decompress(packed.read_bytes())), settings)
         if differ:
-            found = ", ".join(f"{key} {before.get(key)!r} there, {settings.get(key)!r} here" for key in differ)
-            raise SystemExit(f"--pack {dest} holds the data of another run ({found}); pack into a new folder")
+            raise SystemExit(f"--pack {dest} holds the data of another run ({differ}); pack into a new folder")
     elif any((dest / name).exists() for name in PACKED):
         raise SystemExit(
             f"--pack {dest} holds data that no run packed (no raw/settings.json.gz); pack into a new folder"
         )
+
+
+def settings_differences(there: dict, here: dict, names: tuple[str, str] = ("there", "here")) -> str:
+    """The settings in which two runs differ ("seed 1 there, 0 here, ..." with `names`; the target aside, as a
+    resumed run may name it anew); empty where none does."""
+    keys = sorted((there.keys() | here.keys()) - {"target"})
+    differ = [key for key in keys if there.get(key) != here.get(key)]
+    return ", ".join(f"{key} {there.get(key)!r} {names[0]}, {here.get(key)!r} {names[1]}" for key in differ)
 
 
 def pack(out_dir: Path, dest: Path) -> None:
