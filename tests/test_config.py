@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,23 @@ from selfspec.training.config import (
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(path.name for path in CONFIGS.glob("train_heads_*.yaml"))  # every shipped heads config
+
+
+# numbers the optimizer or schedule would take silently (a negative floor: gradient ascent at the end), or that
+# AdamW refuses only after the target and data are loaded; "nan" and "inf" parse as floats
+OPTIMIZER_VALUES = [
+    (["--train.lr", "nan"], "train.lr must be positive and finite, got nan"),
+    (["--train.lr", "inf"], "train.lr must be positive and finite, got inf"),
+    (["--train.lr", "-1"], "train.lr must be positive and finite, got -1"),
+    (["--train.min_lr_ratio", "-0.5"], r"train.min_lr_ratio must be in \[0, 1\], got -0.5"),
+    (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio must be in \[0, 1\], got 2.0"),
+    (["--train.warmup_steps", "-5"], "train.warmup_steps must be at least 0, got -5"),
+    (["--train.weight_decay", "-0.1"], "train.weight_decay must be 0 or more, finite, got -0.1"),
+    (["--train.beta1", "1.5"], r"train.beta1 must be in \[0, 1\), got 1.5"),
+    (["--train.beta2", "1"], r"train.beta2 must be in \[0, 1\), got 1.0"),
+    (["--train.grad_clip", "-1"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got -1.0"),
+    (["--train.grad_clip", "nan"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got nan"),
+]
 
 
 def flat_keys(values: dict, prefix: str = "") -> set[str]:
@@ -103,18 +121,7 @@ def test_overrides_by_dotted_key(tmp_path):
         (["--train.copy_segment", "0"], "train.copy_segment must be at least 2, got 0"),
         (["--train.copy_repeats", "1"], "train.copy_repeats must be at least 2, got 1"),
         (["--train.teacher_temperature", "0"], "train.teacher_temperature must be positive and finite, got 0"),
-        # numbers the optimizer or schedule would take silently (a negative floor: gradient ascent at the end), or
-        # that AdamW refuses only after the target and data are loaded; "nan" and "inf" parse as floats
-        (["--train.lr", "nan"], "train.lr must be positive and finite, got nan"),
-        (["--train.lr", "inf"], "train.lr must be positive and finite, got inf"),
-        (["--train.min_lr_ratio", "-0.5"], r"train.min_lr_ratio must be in \[0, 1\], got -0.5"),
-        (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio must be in \[0, 1\], got 2.0"),
-        (["--train.warmup_steps", "-5"], "train.warmup_steps must be at least 0, got -5"),
-        (["--train.weight_decay", "-0.1"], "train.weight_decay must be 0 or more, finite, got -0.1"),
-        (["--train.beta1", "1.5"], r"train.beta1 must be in \[0, 1\), got 1.5"),
-        (["--train.beta2", "1"], r"train.beta2 must be in \[0, 1\), got 1.0"),
-        (["--train.grad_clip", "-1"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got -1.0"),
-        (["--train.grad_clip", "nan"], r"train.grad_clip must be 0 \(no clipping\) or more, finite, got nan"),
+        *OPTIMIZER_VALUES,
         (["--train.teacher_temperature", "inf"], "train.teacher_temperature must be positive and finite, got inf"),
         (["--lora.alpha", "0"], "lora.alpha must be positive and finite"),
         # 0 was taken as unset (`or` the default) where the heads are built and where their gamma is read
@@ -126,6 +133,19 @@ def test_overrides_by_dotted_key(tmp_path):
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(TrainHeadsConfig, None, overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), OPTIMIZER_VALUES)
+def test_the_demo_targets_pretraining_refuses_the_same_optimizer_values(overrides, message):
+    """training/pretrain_demo_target.py trains with the same optimizer and schedule (training/common.py); its own
+    train config took these values silently."""
+    sys.path.insert(0, str(CONFIGS.parent / "training"))
+    try:
+        from pretrain_demo_target import Config
+    finally:
+        sys.path.remove(str(CONFIGS.parent / "training"))
+    with pytest.raises(ValueError, match=message):
+        load_config(Config, CONFIGS / "pretrain_demo_target.yaml", overrides)
 
 
 def test_unknown_key_in_a_yaml_file_names_it(tmp_path):

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from selfspec import frequent_tokens
-from selfspec.training.config import save_config
+from selfspec.training.config import check_optimizer_settings, save_config
 
 from common import (
     Progress,
@@ -105,6 +105,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        check_optimizer_settings("train", self)  # the heads trainer's ranges, for the same optimizer and schedule
 
 
 @dataclass

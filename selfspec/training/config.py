@@ -155,6 +155,22 @@ def _require(key: str, value: Any, holds: bool, expected: str) -> None:
         raise ValueError(f"{key} must be {expected}, got {value}")
 
 
+def check_optimizer_settings(section: str, config: Any) -> None:
+    """The keys of a train config that AdamW, the schedule and clipping read (training/common.py: `lr`,
+    `min_lr_ratio`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `grad_clip`), each in its range: ValueError
+    naming `section.key` where one is not (a negative lr or floor trains by gradient ascent; AdamW's own check of the
+    betas comes only after the model and data are loaded)."""
+    _at_least(section, config, 0, ("warmup_steps",))
+    _require(f"{section}.lr", config.lr, 0 < config.lr < math.inf, "positive and finite")
+    _require(f"{section}.min_lr_ratio", config.min_lr_ratio, 0 <= config.min_lr_ratio <= 1, "in [0, 1]")
+    decay = config.weight_decay
+    _require(f"{section}.weight_decay", decay, 0 <= decay < math.inf, "0 or more, finite")
+    for name in ("beta1", "beta2"):
+        _require(f"{section}.{name}", getattr(config, name), 0 <= getattr(config, name) < 1, "in [0, 1)")
+    clip = config.grad_clip
+    _require(f"{section}.grad_clip", clip, 0 <= clip < math.inf, "0 (no clipping) or more, finite")
+
+
 def _one_of(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
@@ -295,13 +311,7 @@ class TrainConfig:
         _at_least("train", self, 2, ("copy_repeats",))
         if self.num_threads is not None:
             _at_least("train", self, 1, ("num_threads",))
-        _at_least("train", self, 0, ("warmup_steps",))
-        _require("train.lr", self.lr, 0 < self.lr < math.inf, "positive and finite")
-        _require("train.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
-        _require("train.weight_decay", self.weight_decay, 0 <= self.weight_decay < math.inf, "0 or more, finite")
-        for name in ("beta1", "beta2"):  # AdamW's own check would come after the target and data are loaded
-            _require(f"train.{name}", getattr(self, name), 0 <= getattr(self, name) < 1, "in [0, 1)")
-        _require("train.grad_clip", self.grad_clip, 0 <= self.grad_clip < math.inf, "0 (no clipping) or more, finite")
+        check_optimizer_settings("train", self)
         temperature = self.teacher_temperature
         _require("train.teacher_temperature", temperature, 0 < temperature < math.inf, "positive and finite")
 
