@@ -142,10 +142,10 @@ def restore_raw(packed: Path, out_dir: Path) -> bool:
     which a run writes first and a restore last: files a killed restore left without it are restored again), which
     then goes on from its own files. One that holds another run (other settings, the target aside) is refused:
     --resume_from would be ignored."""
-    if not (packed / "raw" / "settings.json.gz").exists():
+    packed_settings = read_packed_settings(packed)
+    if packed_settings is None:
         raise SystemExit(f"--resume_from {packed}: no packed run there (raw/settings.json.gz)")
     if (out_dir / "settings.json").exists():
-        packed_settings = json.loads(gzip.decompress((packed / "raw" / "settings.json.gz").read_bytes()))
         there = json.loads((out_dir / "settings.json").read_text())
         differ = settings_differences(packed_settings, there, ("in the pack", "in --out_dir"))
         if differ:
@@ -177,15 +177,21 @@ def check_destination(dest: Path, settings: dict) -> None:
     """Refuse to pack over another run's data: `dest` may be new, hold none of `PACKED`, or hold a pack of a run
     with these `settings` (the target aside, as a resumed run may name it anew). Its `raw/` is that run's resume
     point and its splits may be committed data: replacing them would lose them."""
-    packed = dest / "raw" / "settings.json.gz"
-    if packed.exists():
-        differ = settings_differences(json.loads(gzip.decompress(packed.read_bytes())), settings)
+    packed = read_packed_settings(dest)
+    if packed is not None:
+        differ = settings_differences(packed, settings)
         if differ:
             raise SystemExit(f"--pack {dest} holds the data of another run ({differ}); pack into a new folder")
     elif any((dest / name).exists() for name in PACKED):
         raise SystemExit(
             f"--pack {dest} holds data that no run packed (no raw/settings.json.gz); pack into a new folder"
         )
+
+
+def read_packed_settings(folder: Path) -> dict | None:
+    """The settings of the run packed in `folder` (its raw/settings.json.gz); None where no run is packed there."""
+    path = folder / "raw" / "settings.json.gz"
+    return json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
 
 
 def settings_differences(there: dict, here: dict, names: tuple[str, str] = ("there", "here")) -> str:
