@@ -12,11 +12,15 @@ from torch import nn
 
 from .adapter import FINAL, ModelAdapter
 from .adapter.static import CompiledAdapter
-from .drafters.build import MODEL_FREE, build_drafters
+from .bundle import is_bundle, load_bundle
+from .custom_generate import run_custom_generate
+from .drafters.build import HEADS, MODEL_FREE, build_drafters
 from .engine.adaptive import check_position_cost
 from .engine.drafter import Drafter
+from .engine.generation import UnsupportedGenerationArgument
 from .engine.loop import DecodingLoop
 from .heads import DraftHeads, load_heads
+from .heads.kinds import check_fingerprint
 
 
 class SelfSpeculative(DecodingLoop):
@@ -135,13 +139,28 @@ class SelfSpeculative(DecodingLoop):
         packed_weights: bool | None = None,
     ):
         self.model = model
+        self.bundle = load_bundle(heads) if is_bundle(heads) else None
+        suffix_options = {}
+        if self.bundle is not None:  # what it records fills the arguments not given
+            recorded = self.bundle.drafting_for(next(model.parameters()).dtype) if drafter is None else {}
+            drafter = drafter if drafter is not None else recorded.get("drafter")
+            tree = tree if tree is not None else recorded.get("tree")
+            lookup = recorded.get("prompt_lookup_num_tokens")
+            prompt_lookup_num_tokens = prompt_lookup_num_tokens if prompt_lookup_num_tokens is not None else lookup
+            names = drafter if isinstance(drafter, list | tuple) else [drafter]
+            heads = None  # the bundle's heads and draft vocabulary where the drafting reads them
+            if any(name in (None, "hybrid", HEADS) for name in names):
+                heads, vocab_file = self.bundle.file(self.bundle.heads), self.bundle.file(self.bundle.draft_vocab)
+                draft_vocab = draft_vocab if draft_vocab is not None else vocab_file
+            suffix_options = {**self.bundle.suffix, "memory": self.bundle.file(self.bundle.memory)}
         if not isinstance(compile, bool | dict):
             raise TypeError(f"compile={compile!r}: pass True, False or a dict of torch.compile options.")
         self.compiled = compile is not False
         options = compile if isinstance(compile, dict) else None
         # drafters by name that read no weights need only the whole model's forward: any causal LM with a KV cache
         names = drafter if isinstance(drafter, list | tuple) else [drafter]
-        model_free = all(isinstance(name, str) and name in MODEL_FREE for name in names) and heads is None
+        by_default = drafter is None and exit_layer is None  # DEFAULT_MODEL_FREE
+        model_free = heads is None and (by_default or all(isinstance(n, str) and n in MODEL_FREE for n in names))
         packing = self._packing(packed_weights)
         self.adapter = (
             CompiledAdapter(model, options)
@@ -149,6 +168,8 @@ class SelfSpeculative(DecodingLoop):
             else ModelAdapter(model, whole_model=model_free, packed_weights=packing)
         )
         self.packed_weights = self.adapter.packed is not None
+        if self.bundle is not None:
+            check_fingerprint(self.bundle.target, self.adapter, self.bundle.path)
         if heads is not None and not isinstance(heads, DraftHeads):
             heads = load_heads(heads, self.adapter)
         elif heads is not None and any(  # heads given as a module: a copy where they must move, not the caller's
@@ -169,7 +190,9 @@ class SelfSpeculative(DecodingLoop):
             "max_matching_ngram_size": max_matching_ngram_size,
         }
         ngram = {name: value for name, value in ngram.items() if value is not None}
-        self.drafters = build_drafters(self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram)
+        self.drafters = build_drafters(
+            self.adapter, drafter, heads, exit_layer, tree, vocab, draft_confidence, ngram, suffix_options
+        )
         self.hidden_layers = self._collect_hidden_layers()
         self.adaptive = num_draft_tokens is None if adaptive is None else adaptive
         shape = self.drafters[0].tree  # a tree drafter drafts alone
@@ -255,6 +278,19 @@ class SelfSpeculative(DecodingLoop):
                     "own way (the exit-head drafter runs the first layers on the cache). Draft with n-gram lookup "
                     "(drafter='ngram'), Medusa or EAGLE heads, or use compile=False."
                 )
+
+    def __call__(
+        self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+        synced_gpus=False, streamer=None, tokenizer=None, **model_kwargs,
+    ):  # fmt: skip
+        """`model.generate(**inputs, custom_generate=spec)`: transformers prepares the call, this loop decodes it,
+        with the output of `spec.generate` given the same arguments."""
+        if synced_gpus:
+            raise UnsupportedGenerationArgument("`synced_gpus` is not supported by selfspec.")
+        return run_custom_generate(
+            self, model, input_ids, logits_processor or [], stopping_criteria or [], generation_config, streamer,
+            tokenizer, model_kwargs,
+        )  # fmt: skip
 
     def __getattr__(self, name: str):
         # look-ups the wrapper does not answer pass through to the wrapped model, as peft does

@@ -146,7 +146,7 @@ def test_unsure_drafts_stop_early_and_output_stays_exact(arch):
         per_iteration = [s.stats.proposed / s.stats.iterations for s in (full, spec)]
         assert per_iteration[1] < per_iteration[0] - 0.5, per_iteration  # shorter chains with the stop
     with pytest.raises(ValueError, match="draft_confidence=1.5 must be a probability"):
-        SelfSpeculative(model, draft_confidence=1.5)
+        SelfSpeculative(model, exit_layer=2, draft_confidence=1.5)
 
 
 def test_gamma_shrinks_to_zero_as_the_batch_grows_when_positions_cost():

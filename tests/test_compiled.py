@@ -114,7 +114,7 @@ class LastLayerDrafter(Drafter):
 def test_what_it_cannot_run_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="exit-head drafter"):
-        SelfSpeculative(model, compile=True)  # the default drafter: exit heads run the first layers themselves
+        SelfSpeculative(model, exit_layer=2, compile=True)  # the untrained exit runs the first layers itself
     with pytest.raises(ValueError, match="tree"):
         SelfSpeculative(model, heads=medusa_heads(model), tree=[[0], [1], [0, 0]], compile=True)
     with pytest.raises(TypeError, match="compile='yes'"):

@@ -237,6 +237,7 @@ def test_objective_and_scores_match_the_definitions(kind):
         ]
         kl = DistillationObjective(heads, adapter, loss="kl")(hidden_states, logits)
         ce = DistillationObjective(heads, adapter, loss="soft_ce")(hidden_states, logits)
+        tv = DistillationObjective(heads, adapter, loss="tv")(hidden_states, logits)
         sharp = DistillationObjective(heads, adapter, teacher_temperature=0.5)(hidden_states, logits)
         sums = score_sums(heads, adapter, hidden_states, logits)
     torch.testing.assert_close(kl, torch.stack([kl_divergence(p, q).mean() for p, q in pairs]))
@@ -244,6 +245,9 @@ def test_objective_and_scores_match_the_definitions(kind):
     torch.testing.assert_close(sharp, torch.stack([kl_divergence(p / 0.5, q).mean() for p, q in pairs]))
     assert not torch.allclose(sharp, kl)
     torch.testing.assert_close(ce, torch.stack([soft_cross_entropy(p, q).mean() for p, q in pairs]))
+    # 0.9 TV(p, q) + 0.1 KL(p || q), TV = 1 - alpha
+    mixed = [0.9 * (1 - acceptance_rate(p, q)).mean() + 0.1 * kl_divergence(p, q).mean() for p, q in pairs]
+    torch.testing.assert_close(tv, torch.stack(mixed))
     expected, chain = [], None
     for p, q in pairs:
         agree = top1_agreement(p, q)

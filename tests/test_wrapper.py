@@ -21,11 +21,16 @@ def model():
 
 
 def test_defaults_need_no_training(model):
+    """Without heads: suffix drafting and n-gram lookup, which read no weights, adaptive; the exit by argument."""
     spec = SelfSpeculative(model)
-    assert spec.exit_layer == 2  # a quarter of 8 layers
-    assert spec.num_draft_tokens == 4 and spec.heads is None
-    prompt = random_prompt(5)
+    assert repr(spec.drafters) == "Drafters('suffix', 'ngram')" and spec.adaptive and spec.heads is None
+    assert spec.exit_layer is None
+    prompt = torch.cat([random_prompt(5)] * 3, dim=1)  # a repeated prompt: lookup has something to propose
     assert torch.equal(spec.generate(prompt, max_new_tokens=20), model.generate(prompt, max_new_tokens=20))
+    assert spec.stats.proposed > 0
+    exit_spec = SelfSpeculative(model, exit_layer=2)
+    assert exit_spec.exit_layer == 2 and exit_spec.num_draft_tokens == 4
+    assert torch.equal(exit_spec.generate(prompt, max_new_tokens=20), model.generate(prompt, max_new_tokens=20))
 
 
 def test_wrapper_shares_the_model_weights(model):
@@ -58,12 +63,12 @@ def test_unsupported_architectures_are_named():
         BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
     )
     with pytest.raises(UnsupportedModelError, match="'bert'"):
-        SelfSpeculative(bert)
+        SelfSpeculative(bert, exit_layer=1)
     t5 = T5ForConditionalGeneration(
         T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2)
     )
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        SelfSpeculative(t5)
+        SelfSpeculative(t5, exit_layer=1)
 
 
 def trained_looking_heads(model, exit_layers=(2, 4), seed=0) -> ExitHeads:

@@ -18,6 +18,9 @@ from .suffix import SuffixDrafter
 
 NAMED_DRAFTERS = ("ngram", "suffix", "hybrid")  # SelfSpeculative(drafter=...) by name
 MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}  # drafters by name that read no weights
+# what SelfSpeculative(model) drafts with, without heads or an exit layer: drafting that pays without training (an
+# untrained exit is rarely accepted), in order of preference; the adaptive choice decodes plainly where neither pays
+DEFAULT_MODEL_FREE = ("suffix", "ngram")
 HEADS = "heads"  # in a list of drafters: the drafter from the model's own weights (the heads, or the exit)
 # the drafter of each kind of heads (`selfspec.heads.KINDS`): its `from_heads` makes it for the heads
 DRAFTERS: dict[str, type[Drafter]] = {
@@ -36,9 +39,11 @@ def build_drafters(
     vocab: DraftVocabulary | None,
     confidence: float | None,
     ngram_options: dict,
+    suffix_options: dict | None = None,
 ) -> Drafters:
-    """The drafters of a `SelfSpeculative` (see its `drafter` argument), in order of preference. Raises
-    ValueError for settings that do not apply to the chosen drafters."""
+    """The drafters of a `SelfSpeculative` (see its `drafter` argument), in order of preference; `suffix_options`
+    configure the drafter named "suffix" (a bundle's memory). Raises ValueError for settings that do not apply to
+    the chosen drafters."""
     model_options = {"heads": heads, "exit_layer": exit_layer, "tree": tree, "draft_vocab / draft_quant": vocab}
     given = [name for name, value in model_options.items() if value is not None]
     if drafter == "hybrid" and heads is None and exit_layer is None:
@@ -48,8 +53,17 @@ def build_drafters(
             stacklevel=3,
         )
         drafter = "ngram"
+    untrained_default = drafter is None and heads is None and exit_layer is None
+    if untrained_default and (given or confidence is not None):
+        options = ", ".join(given) or "draft_confidence"
+        raise ValueError(
+            f"Without heads or exit_layer, selfspec drafts with suffix drafting and n-gram lookup (no weights read); "
+            f"{options} apply only to drafting with the model's own layers: pass heads=... (a tree needs Medusa or "
+            "EAGLE heads) or exit_layer=... for the untrained exit."
+        )
     if drafter is None or isinstance(drafter, str | Drafter):
-        names = {None: [HEADS], "hybrid": ["ngram", HEADS]}.get(drafter, [drafter])
+        default = list(DEFAULT_MODEL_FREE) if untrained_default else [HEADS]
+        names = {None: default, "hybrid": ["ngram", HEADS]}.get(drafter, [drafter])
     else:
         names = list(drafter) if isinstance(drafter, list | tuple) else None
     if not names or any(not isinstance(n, Drafter) and n not in (*MODEL_FREE, HEADS) for n in names):
@@ -83,7 +97,8 @@ def build_drafters(
         elif name == HEADS:
             drafters.append(model_drafter(adapter, heads, exit_layer, tree, vocab, confidence))
         else:
-            drafters.append(MODEL_FREE[name](**(ngram_options if name == "ngram" else {})))
+            options = {"ngram": ngram_options, "suffix": suffix_options or {}}[name]
+            drafters.append(MODEL_FREE[name](**options))
     for part in drafters:
         if isinstance(part, SuffixDrafter):  # its cache may hold answers remembered before it met this model
             part.bind_vocabulary(adapter.vocab_size)

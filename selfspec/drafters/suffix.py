@@ -19,6 +19,7 @@ recent text: an older, longer match behind that many recent shorter ones is not 
 
 from __future__ import annotations
 
+import os
 import sys
 from array import array
 from collections import OrderedDict
@@ -29,6 +30,7 @@ import torch
 from ..engine.drafter import Draft, Drafter, Processing, Verified
 from ..engine.state import DecodeState
 from ..engine.tree import CandidateTree
+from .memory import SuffixMemory
 
 CACHED_REQUESTS = 10_000  # the cache's default bound in answers
 CACHED_TOKENS = 200_000  # the cache's default bound in tokens (13.8 MiB on Python source in SmolLM2's tokens)
@@ -232,6 +234,9 @@ class SuffixDrafter(Drafter):
         max_cached_tokens: the cache's bound in tokens; the least recently used answers go first.
         max_match_length: the longest suffix of the text matched against earlier text.
         max_candidates: the most recent occurrences of the matched suffix that vote on the continuation.
+        memory: a read-only memory of earlier answers (`SuffixMemory`, or the path of one saved as safetensors),
+            searched beside the cache: millions of tokens of the model's own answers, loaded in a fraction of a
+            second, that no call evicts.
         tree_nodes: draft a tree of the most likely continuations, at most this many nodes, verified in one pass
             with the lossless tree rule (one prompt at a time); None drafts the best chain.
 
@@ -253,6 +258,7 @@ class SuffixDrafter(Drafter):
         max_match_length: int = 24,
         max_candidates: int = 64,
         tree_nodes: int | None = None,
+        memory: SuffixMemory | str | os.PathLike | None = None,
     ):
         super().__init__()
         for name, value in (
@@ -276,6 +282,7 @@ class SuffixDrafter(Drafter):
         self.max_match_length, self.max_candidates = max_match_length, max_candidates
         self.tree = SuffixTree(tree_nodes, num_speculative_tokens) if tree_nodes is not None else None
         self.cache = SuffixIndex()  # earlier calls' answers, shared by every row and call
+        self.memory = memory if memory is None or isinstance(memory, SuffixMemory) else SuffixMemory.load(memory)
         self._texts: list[SuffixIndex] = []  # per row of the running call: its prompt and what it generated
         self._prompt_width = 0  # the call's prompt width (padding included): answers start there
         self._drafts: list[list[int]] | None = None  # each row's chain from `available`, for `draft`
@@ -339,6 +346,7 @@ class SuffixDrafter(Drafter):
                 "SuffixDrafter of its own."
             )
         largest = max((max(sequence) for sequence in self.cache.sequences.values() if sequence), default=-1)
+        largest = max(largest, self.memory.largest_token() if self.memory is not None else -1)
         if largest >= vocab_size:
             raise ValueError(
                 f"this SuffixDrafter remembers token id {largest}, but the model has {vocab_size} tokens: answers "
@@ -403,10 +411,12 @@ class SuffixDrafter(Drafter):
         ((_, own),) = text.sequences.items()
         context = own[-self.max_match_length - 1 :].tolist()
         length, occurrences = text.candidates(context, self.max_match_length, self.max_candidates)
-        if self.max_cached_requests:
-            cached_length, cached = self.cache.candidates(context, self.max_match_length, self.max_candidates)
-            if cached and (not occurrences or cached_length >= length + CACHE_MARGIN):
-                length, occurrences = cached_length, cached
+        earlier = [index for index in (self.cache if self.max_cached_requests else None, self.memory) if index]
+        # the cache before the memory: at equal length its answers are the more recent
+        found = [index.candidates(context, self.max_match_length, self.max_candidates) for index in earlier]
+        earlier_length, earlier_found = max(found, key=lambda match: match[0], default=(0, []))
+        if earlier_found and (not occurrences or earlier_length >= length + CACHE_MARGIN):
+            length, occurrences = earlier_length, earlier_found
         for occurrence in occurrences[:1]:
             if occurrence[0] is not own:
                 self.cache.touch(occurrence[2])

@@ -23,6 +23,7 @@ import yaml
 from ..adapter import LAYOUTS
 from ..heads import KINDS
 from ..heads.lora import check_target
+from .distill import LOSSES
 
 ConfigT = TypeVar("ConfigT")
 
@@ -281,7 +282,8 @@ class TrainConfig:
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
-    loss: str = "kl"  # kl: KL(p || q); soft_ce: -sum p log q (same gradient, offset by the entropy of p)
+    loss: str = "kl"  # kl: KL(p || q); soft_ce: -sum p log q (same gradient, offset by the entropy of p); tv:
+    # 0.9 TV(p, q) + 0.1 KL(p || q), TV = 1 - alpha (what acceptance pays for)
     teacher_temperature: float = 1.0  # p = softmax(target logits / T) in the loss; T < 1 sharpens it toward the
     # target's argmax (what greedy verification accepts); evaluations measure against the target at T = 1
     recompute_logits: bool = False  # recompute each draft's logits in backward: less memory for large vocabularies
@@ -301,7 +303,7 @@ class TrainConfig:
     copy_repeats: int = 3  # a copy row holds copy_segment x copy_repeats tokens (shorter segments repeat more often)
 
     def __post_init__(self):
-        _one_of("train.loss", self.loss, ("kl", "soft_ce"))
+        _one_of("train.loss", self.loss, LOSSES)
         _one_of("train.save_dtype", self.save_dtype, ("float32", "bfloat16", "float16"))
         _one_of("train.mixed_precision", self.mixed_precision, ("auto", "bf16", "fp16", "no"))
         names = ("max_steps", "batch_size", "gradient_accumulation_steps", "checkpoint_every", "keep_checkpoints")

@@ -32,6 +32,9 @@ from ..heads.base import Draft, DraftHeads
 
 # ------------------------------------------------------------------------------------------ the math
 
+LOSSES = ("kl", "soft_ce", "tv")
+TV_WEIGHT = 0.9  # the tv loss: 0.9 TV(p, q) + 0.1 KL(p || q) (DFlash2's mix of an acceptance loss and a likelihood)
+
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) per position: `[..., V]` logits -> `[...]`, in float32."""
@@ -97,8 +100,8 @@ class DistillationObjective(nn.Module):
     def __init__(self, heads: DraftHeads, adapter: ModelAdapter, loss: str = "kl", recompute_logits: bool = False,
                  vocab: DraftVocabulary | None = None, teacher_temperature: float = 1.0):  # fmt: skip
         super().__init__()
-        if loss not in ("kl", "soft_ce"):
-            raise ValueError(f"loss must be kl or soft_ce, got {loss!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         if not teacher_temperature > 0:
             raise ValueError(f"teacher_temperature must be positive, got {teacher_temperature}")
         self.teacher_temperature = teacher_temperature
@@ -110,8 +113,13 @@ class DistillationObjective(nn.Module):
 
     def _cross_entropy(self, draft: Draft, hidden: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         # -sum_x p log q per position; the draft's logits come from an LM head (over the draft vocabulary's
-        # rows when there is one), so they are finite on every token that p covers
-        return -(p * torch.log_softmax(draft.head(hidden).float(), dim=-1)).sum(-1)
+        # rows when there is one), so they are finite on every token that p covers. tv: 0.9 TV(p, q) + 0.1 of it,
+        # TV = 1 - alpha is what acceptance pays for, the cross-entropy keeps a gradient where q misses p entirely
+        log_q = torch.log_softmax(draft.head(hidden).float(), dim=-1)
+        cross_entropy = -(p * log_q).sum(-1)
+        if self.loss != "tv":
+            return cross_entropy
+        return TV_WEIGHT * 0.5 * (p - log_q.exp()).abs().sum(-1) + (1 - TV_WEIGHT) * cross_entropy
 
     def forward(self, hidden_states, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`logits`: the target's, over the whole vocabulary or (`target_pass` with `self.vocab`) over the draft
@@ -122,7 +130,9 @@ class DistillationObjective(nn.Module):
             log_p = torch.log_softmax(logits.float() / self.teacher_temperature, dim=-1)
             p = log_p.exp()  # [batch, T, V]
             # sum_x p log p: KL(p || q) = cross-entropy - entropy of p; 0 for the soft cross-entropy
-            negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss == "kl" else None
+            negative_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1) if self.loss != "soft_ce" else None
+            if self.loss == "tv":  # only the cross-entropy's share carries the entropy offset
+                negative_entropy = (1 - TV_WEIGHT) * negative_entropy
             weights = torch.ones(logits.shape[:2], device=logits.device) if mask is None else mask.float()
         losses = []
         for draft in self.heads.distillation_drafts(self._adapter, hidden_states, self.vocab, mask):
