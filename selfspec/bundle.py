@@ -48,6 +48,15 @@ class Bundle:
     drafting: dict = field(default_factory=dict)  # dtype name (or "default") -> {drafter, tree, ...}
     chosen_by: str | None = None  # the command that chose the drafting
 
+    def __post_init__(self):
+        self.path = Path(self.path)
+        for name, drafting in self.drafting.items():
+            if not isinstance(drafting, dict) or set(drafting) - set(DRAFTING):
+                raise BundleError(
+                    f"{self.path / BUNDLE_NAME}: drafting {name!r} must be an object of {', '.join(DRAFTING)}; got "
+                    f"{drafting!r}."
+                )
+
     def file(self, name: str | None) -> Path | None:
         if name is None:
             return None
@@ -99,10 +108,4 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     unknown = sorted(set(config) - known)
     if unknown:
         raise BundleError(f"{path / BUNDLE_NAME} has unknown fields: {', '.join(unknown)}.")
-    bundle = Bundle(path=path, **config)
-    for name, drafting in bundle.drafting.items():
-        if not isinstance(drafting, dict) or set(drafting) - set(DRAFTING):
-            raise BundleError(
-                f"{path / BUNDLE_NAME}: drafting {name!r} must be an object of {', '.join(DRAFTING)}; got {drafting!r}."
-            )
-    return bundle
+    return Bundle(path=path, **config)

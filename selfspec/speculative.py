@@ -36,15 +36,16 @@ class SelfSpeculative(DecodingLoop):
     Args:
         model: the loaded causal LM (Llama, Qwen2, Mistral, Phi3, Gemma, Gemma2, GPT-2, GPT-NeoX families).
         exit_layer: draft with layers 0..exit_layer-1 (1 <= exit_layer < num_hidden_layers). Default: the
-            heads' first trained depth, else a quarter of the depth.
+            exit heads' first trained depth; without heads, given, the untrained exit drafts.
         num_draft_tokens: drafts per iteration (gamma); with `adaptive`, the most per iteration. Default:
             the drafter's (the heads' tuned setting, the number of Medusa heads, n-gram's
             `prompt_lookup_num_tokens`, else 4); with several drafters it caps each. With a tree it caps the chains a
             tree drafter falls back to (near a call's end), not the tree, and turns the adaptive choice off as for
             chains. 0 decodes plainly through selfspec's own loop, one full pass per token and no drafts (a
             baseline for benchmarks).
-        heads: a heads folder (or loaded `ExitHeads` / `MedusaHeads` / `EagleHeads`) trained for this model; None
-            uses the model's own final norm and LM head as the exit head (no training needed). Loaded heads on
+        heads: a target's bundle folder (`selfspec.bundle`: heads, draft vocabulary, memory and the drafting that
+            measured best, which the other arguments override), a heads folder or loaded `ExitHeads` / `MedusaHeads` /
+            `EagleHeads` trained for this model; None drafts without heads (see `drafter`). Loaded heads on
             another device or in another dtype than the model are copied there (`spec.heads`); yours stay as
             they are, for other wrappers that share them.
         tree: with Medusa heads, a candidate tree as a list of paths of top-k ranks (e.g. [[0], [1], [0, 0]]),
@@ -83,7 +84,8 @@ class SelfSpeculative(DecodingLoop):
             cache, about 20 passes. Sampled output is exactly distributed either way; for a seeded sampling run that
             repeats across processes, give a position cost (the measured figures vary with the machine's load, and
             gamma, so the random stream, follows them).
-        drafter: None drafts with the heads (or the untrained exit); "ngram" with n-gram prompt lookup alone
+        drafter: None drafts with the heads; without heads, with suffix drafting and n-gram lookup (the untrained
+            exit, the model's own final norm and LM head after `exit_layer` layers, where `exit_layer` is given); "ngram" with n-gram prompt lookup alone
             (`selfspec.NGramDrafter`); "suffix" with suffix drafting alone (`selfspec.SuffixDrafter`: the longest
             earlier match in the prompt, the output and earlier calls' answers, which this wrapper's drafter keeps);
             "hybrid" with n-gram lookup where the text has a match and the heads otherwise (adaptive: whichever the

@@ -186,11 +186,18 @@ def check_model_folder(path: Path, gguf: bool = False) -> None:
 
 
 def load_model(
-    name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None, **kwargs
+    name_or_path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None, **kwargs
 ) -> tuple[torch.nn.Module, object]:
     """(model in eval mode, tokenizer): a known target by name (`load_known_target`), else a model folder or
-    hub name through `from_pretrained`. `kwargs` go to `AutoModelForCausalLM.from_pretrained`."""
+    hub name through `from_pretrained`. `dtype` None: the one in which speculation pays on `device`
+    (`selfspec.hardware.speculation_dtype`: bfloat16 where it is native, else float32). `kwargs` go to
+    `AutoModelForCausalLM.from_pretrained`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .hardware import speculation_dtype
+
+    if dtype is None:
+        dtype = speculation_dtype(device or "cpu")[0]
 
     if isinstance(name_or_path, str) and name_or_path in KNOWN_TARGETS:
         return load_known_target(name_or_path, dtype, device, **kwargs)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..families import REFUSED_ARCHITECTURES, SUPPORT_RULE, SUPPORTED_ARCHITECTURES
+from .bundle import add_bundle_parser, run_bundle
 from .parsers import (
     BUNDLED,
     BUNDLED_CONFIG,
@@ -21,6 +22,7 @@ from .parsers import (
     add_profile_parser,
     add_tune_parser,
 )
+from .speed import add_speed_parser, run_speed
 
 
 # The commands, imported when they run (torch, transformers and the rest load then, not for --help)
@@ -223,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_command(commands, "architectures", help="list the supported model types and the rule that decides them")
     add_profile_parser(commands)
     add_export_parser(commands)
+    add_bundle_parser(commands)
+    add_speed_parser(commands)
     return parser
 
 
@@ -237,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench_command,
         "tune": run_tune_command,
         "export": run_export,
+        "bundle": run_bundle,
+        "speed": run_speed,
     }
     try:
         return run[args.command](args)
