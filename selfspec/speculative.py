@@ -85,7 +85,8 @@ class SelfSpeculative(DecodingLoop):
             repeats across processes, give a position cost (the measured figures vary with the machine's load, and
             gamma, so the random stream, follows them).
         drafter: None drafts with the heads; without heads, with suffix drafting and n-gram lookup (the untrained
-            exit, the model's own final norm and LM head after `exit_layer` layers, where `exit_layer` is given); "ngram" with n-gram prompt lookup alone
+            exit, the model's own final norm and LM head after `exit_layer` layers where given); "ngram"
+            with n-gram prompt lookup alone
             (`selfspec.NGramDrafter`); "suffix" with suffix drafting alone (`selfspec.SuffixDrafter`: the longest
             earlier match in the prompt, the output and earlier calls' answers, which this wrapper's drafter keeps);
             "hybrid" with n-gram lookup where the text has a match and the heads otherwise (adaptive: whichever the
