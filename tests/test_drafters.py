@@ -186,7 +186,7 @@ def test_ngram_batch_rows_are_exact():
 def test_drafter_argument_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="drafter='ngram' or 'hybrid'"):
-        SelfSpeculative(model, prompt_lookup_num_tokens=5)
+        SelfSpeculative(model, exit_layer=2, prompt_lookup_num_tokens=5)
     with pytest.raises(ValueError, match="drafts without the model"):
         SelfSpeculative(model, drafter="ngram", exit_layer=2)
     with pytest.raises(ValueError, match="configure your drafter itself"):
